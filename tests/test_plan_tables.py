@@ -1,0 +1,198 @@
+"""Hand-worked plans (8->4, 4->8, 4->3, uneven splits) and clear errors."""
+
+from __future__ import annotations
+
+import pytest
+
+from reshard.errors import PlanError
+from reshard.plan.box import Box, chunk_range, chunks_overlapping
+from reshard.plan.layout import Grid, Layout, LocalTensor, Mesh, Piece, TensorMeta
+from reshard.plan.planner import LayoutSet, Planner
+
+
+def _grid_layouts(meta: TensorMeta, ranks: list[int], shard_dim: int | None) -> list[Layout]:
+    spec = tuple((0,) if d == shard_dim else () for d in range(len(meta.shape)))
+    grid = Grid(tensors=(0, 1, 1), mesh=Mesh(shape=(len(ranks),), ranks=tuple(ranks)), shard=spec)
+    return [Layout(rank=r, tensors=(meta,), grids=(grid,)) for r in ranks]
+
+
+def _moves(n: int, src_k: int, dst_k: int) -> list[tuple[int, int, str]]:
+    meta = TensorMeta("w", (n, 2), "float32")
+    src = list(range(src_k))
+    dst = list(range(src_k, src_k + dst_k))
+    planner = Planner(
+        LayoutSet.from_layouts("source", _grid_layouts(meta, src, 0)),
+        LayoutSet.from_layouts("destination", _grid_layouts(meta, dst, 0)),
+    )
+    out = []
+    for r in dst:
+        for t in planner.plan_for(r).transfers():
+            assert t.kind == "pull" and t.dst.rank == r
+            out.append((t.src.rank, t.dst.rank - src_k, str(t.box)))
+    return sorted(out)
+
+
+def test_chunk_rule_matches_torch_chunk_padding():
+    # torch.chunk(range(5), 4) gives sizes 2, 2, 1 and DTensor pads a 4th, empty part.
+    assert [chunk_range(5, 4, i) for i in range(4)] == [(0, 2), (2, 4), (4, 5), (5, 5)]
+    assert [chunk_range(10, 3, i) for i in range(3)] == [(0, 4), (4, 8), (8, 10)]
+    # vLLM vocab-parallel: 100 rows padded to 128, 4 ranks of 32.
+    assert [chunk_range(100, 4, i, block=32) for i in range(4)] == [(0, 32), (32, 64), (64, 96), (96, 100)]
+    assert list(chunks_overlapping(10, 3, 3, 9)) == [0, 1, 2]
+    assert list(chunks_overlapping(5, 4, 4, 5)) == [2]
+
+
+def test_8_to_4():
+    assert _moves(8, 8, 4) == sorted((s, s // 2, f"[{s}:{s + 1}, 0:2]") for s in range(8))
+
+
+def test_4_to_8():
+    assert _moves(8, 4, 8) == sorted((d // 2, d, f"[{d}:{d + 1}, 0:2]") for d in range(8))
+
+
+def test_4_to_3():
+    # src blocks of 3: [0,3) [3,6) [6,9) [9,10); dst blocks of 4: [0,4) [4,8) [8,10)
+    assert _moves(10, 4, 3) == sorted(
+        [
+            (0, 0, "[0:3, 0:2]"),
+            (1, 0, "[3:4, 0:2]"),
+            (1, 1, "[4:6, 0:2]"),
+            (2, 1, "[6:8, 0:2]"),
+            (2, 2, "[8:9, 0:2]"),
+            (3, 2, "[9:10, 0:2]"),
+        ]
+    )
+
+
+def test_uneven_5_rows_4_to_3_with_an_empty_shard():
+    # src: [0,2) [2,4) [4,5) and an empty 4th; dst: [0,2) [2,4) [4,5)
+    assert _moves(5, 4, 3) == [(0, 0, "[0:2, 0:2]"), (1, 1, "[2:4, 0:2]"), (2, 2, "[4:5, 0:2]")]
+
+
+def test_row_parallel_to_column_parallel_cuts_both_dims():
+    meta = TensorMeta("o_proj.weight", (4, 4), "bfloat16")
+    src = _grid_layouts(meta, [0, 1], 1)
+    dst = _grid_layouts(meta, [2, 3], 0)
+    planner = Planner(LayoutSet.from_layouts("source", src), LayoutSet.from_layouts("destination", dst))
+    got = sorted((t.src.rank, t.dst.rank, str(t.box)) for r in (2, 3) for t in planner.plan_for(r).transfers())
+    assert got == [
+        (0, 2, "[0:2, 0:2]"),
+        (0, 3, "[2:4, 0:2]"),
+        (1, 2, "[0:2, 2:4]"),
+        (1, 3, "[2:4, 2:4]"),
+    ]
+    assert all(t.nbytes == 8 for t in planner.plan_for(2).transfers())
+
+
+def test_replicated_source_is_split_between_replicas_and_domains():
+    # One tensor replicated on ranks 0 and 1; ranks 2 and 3 (one domain) both need all of it.
+    meta = TensorMeta("norm.weight", (64,), "float32")
+    src = _grid_layouts(meta, [0, 1], None)
+    dst = _grid_layouts(meta, [2, 3], None)
+    planner = Planner(
+        LayoutSet.from_layouts("source", src),
+        LayoutSet.from_layouts("destination", dst),
+        domain_of={0: 0, 1: 1, 2: 2, 3: 2},
+        split_bytes=128,
+    )
+    t = planner.traffic()
+    # The domain pulls the tensor once (256 bytes), half from each replica,
+    # and forwards inside the domain what the other needer lacks.
+    assert t.network_bytes == 256
+    assert t.net_out[0] == t.net_out[1] == 128
+    assert t.nvlink_bytes == 256
+
+
+def _expect(problem_kind: str, match: str, src: list[Layout], dst: list[Layout]) -> None:
+    planner = Planner(LayoutSet.from_layouts("source", src), LayoutSet.from_layouts("destination", dst))
+    kinds = [p.kind for p in planner.problems()]
+    assert problem_kind in kinds, kinds
+    with pytest.raises(PlanError, match=match):
+        planner.plan_for(dst[0].rank)
+
+
+def test_shape_mismatch_names_tensor_shapes_and_ranks():
+    src = _grid_layouts(TensorMeta("w", (8, 4), "float32"), [0], 0)
+    dst = _grid_layouts(TensorMeta("w", (8, 5), "float32"), [1], 0)
+    _expect(
+        "mismatch", r"'w': source rank 0 has shape \[8, 4\] float32, destination rank 1 needs shape \[8, 5\]", src, dst
+    )
+
+
+def test_dtype_mismatch():
+    src = _grid_layouts(TensorMeta("w", (8,), "float32"), [0], 0)
+    dst = _grid_layouts(TensorMeta("w", (8,), "bfloat16"), [1], 0)
+    _expect("mismatch", "bfloat16", src, dst)
+
+
+def test_unknown_tensor():
+    src = _grid_layouts(TensorMeta("a", (8,), "float32"), [0], 0)
+    dst = _grid_layouts(TensorMeta("b", (8,), "float32"), [1], 0)
+    _expect("unknown-tensor", r"published by no source: 'b'", src, dst)
+
+
+def test_box_out_of_range():
+    meta = TensorMeta("w", (8,), "float32")
+    src = _grid_layouts(meta, [0], 0)
+    dst = [
+        Layout(
+            rank=1,
+            tensors=(meta,),
+            locals=(LocalTensor("w", (4,)),),
+            pieces=(Piece(0, Box((6,), (4,)), 0, (0,)),),
+        )
+    ]
+    _expect("out-of-range", r"box \[6:10\] is outside tensor 'w' of shape \[8\]", src, dst)
+
+
+def test_local_box_out_of_range():
+    meta = TensorMeta("w", (8,), "float32")
+    src = _grid_layouts(meta, [0], 0)
+    dst = [
+        Layout(rank=1, tensors=(meta,), locals=(LocalTensor("w", (4,)),), pieces=(Piece(0, Box((0,), (4,)), 0, (2,)),))
+    ]
+    _expect("out-of-range", r"outside local 'w' of shape \[4\]", src, dst)
+
+
+def test_overlapping_destination_pieces():
+    meta = TensorMeta("w", (8,), "float32")
+    src = _grid_layouts(meta, [0], 0)
+    dst = [
+        Layout(
+            rank=1,
+            tensors=(meta,),
+            locals=(LocalTensor("a", (4,)), LocalTensor("b", (4,))),
+            pieces=(Piece(0, Box((0,), (4,)), 0, (0,)), Piece(0, Box((2,), (4,)), 1, (0,))),
+        )
+    ]
+    _expect("overlap", r"rank\(s\) \[1\] need box \[2:4\] of 'w' through two pieces", src, dst)
+
+
+def test_two_tensors_writing_the_same_local_elements():
+    a, b = TensorMeta("a", (4,), "float32"), TensorMeta("b", (4,), "float32")
+    src = [Layout(rank=0, tensors=(a, b), grids=(Grid(tensors=(0, 2, 1), mesh=Mesh((1,)), shard=((),)),))]
+    dst = [
+        Layout(
+            rank=1,
+            tensors=(a, b),
+            locals=(LocalTensor("fused", (6,)),),
+            pieces=(Piece(0, Box((0,), (4,)), 0, (0,)), Piece(1, Box((0,), (4,)), 0, (2,))),
+        )
+    ]
+    _expect("overlap", r"pieces of 'a' and 'b' both write local 'fused'", src, dst)
+
+
+def test_uncovered_bytes():
+    meta = TensorMeta("w", (8,), "float32")
+    src = [
+        Layout(rank=0, tensors=(meta,), locals=(LocalTensor("w", (4,)),), pieces=(Piece(0, Box((0,), (4,)), 0, (0,)),))
+    ]
+    dst = _grid_layouts(meta, [1], 0)
+    _expect("uncovered", r"\[4:8\] of 'w' \(shape \[8\]\) needed by rank\(s\) \[1\] are held by no source", src, dst)
+
+
+def test_grid_published_by_the_wrong_ranks():
+    meta = TensorMeta("w", (8,), "float32")
+    src = _grid_layouts(meta, [0], 0)
+    dst = _grid_layouts(meta, [1, 2], 0)[:1]  # rank 2 never published its layout
+    _expect("grid", r"lists ranks \[1, 2\] but was published by ranks \[1\]", src, dst)
