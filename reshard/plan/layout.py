@@ -26,9 +26,10 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from functools import cached_property
+from functools import cached_property, lru_cache
 
 import msgspec
 
@@ -89,10 +90,7 @@ class TensorMeta(msgspec.Struct, frozen=True, array_like=True):
 
     @property
     def nbytes(self) -> int:
-        n = dtype_size(self.dtype)
-        for s in self.shape:
-            n *= s
-        return n
+        return DTYPE_SIZES[self.dtype] * math.prod(self.shape) if self.dtype in DTYPE_SIZES else dtype_size(self.dtype)
 
 
 class LocalTensor(msgspec.Struct, frozen=True, array_like=True):
@@ -266,17 +264,29 @@ class Slot:
         return not self.dims or (self.dims == tuple(range(len(self.dims))) and len(self.dims) == len(self.local_shape))
 
 
+@lru_cache(maxsize=64)
+def _zeros(n: int) -> tuple[int, ...]:
+    return (0,) * n
+
+
+@lru_cache(maxsize=4096)
+def _mesh_index(mesh: Mesh) -> tuple[list[tuple[int, ...]], list[int], dict[int, list[tuple[int, ...]]]]:
+    """Coordinates, ranks and coordinates by rank of a mesh (shared by all grids on it)."""
+    coords = list(itertools.product(*(range(s) for s in mesh.shape)))
+    ranks = [mesh.rank_at(c) for c in coords]
+    coord_of: dict[int, list[tuple[int, ...]]] = {}
+    for r, c in zip(ranks, coords, strict=True):
+        coord_of.setdefault(r, []).append(c)
+    return coords, ranks, coord_of
+
+
 class GridInfo:
     """Derived facts of one grid: coordinates by rank, holder boxes by shape."""
 
     def __init__(self, grid: Grid) -> None:
         self.grid = grid
         mesh = grid.mesh
-        self.coords: list[tuple[int, ...]] = list(itertools.product(*(range(s) for s in mesh.shape)))
-        self.ranks: list[int] = [mesh.rank_at(c) for c in self.coords]
-        self.coord_of: dict[int, list[tuple[int, ...]]] = {}
-        for r, c in zip(self.ranks, self.coords, strict=True):
-            self.coord_of.setdefault(r, []).append(c)
+        self.coords, self.ranks, self.coord_of = _mesh_index(mesh)
         cut_axes = {a for axes in grid.shard for a in axes}
         self.cut_axes = tuple(sorted(cut_axes))
         self.rep_axes = tuple(a for a in range(len(mesh.shape)) if a not in cut_axes)
@@ -284,6 +294,12 @@ class GridInfo:
     @cached_property
     def rank_set(self) -> frozenset[int]:
         return frozenset(self.ranks)
+
+    @cached_property
+    def geometry(self) -> tuple:
+        """Mesh and cuts: everything about the grid that planning depends on."""
+        g = self.grid
+        return (g.mesh, g.shard, g.block)
 
     def holders(self, shape: Sequence[int]) -> Iterator[tuple[Box, tuple[int, ...], tuple[tuple[int, ...], ...]]]:
         """Distinct boxes with the ranks (and coords) that hold each, non-empty only."""
@@ -298,13 +314,23 @@ class GridInfo:
             members.sort()
             yield box, tuple(r for r, _ in members), tuple(c for _, c in members)
 
-    def slot(self, meta: TensorMeta, position: int, rank: int, coord: Sequence[int]) -> Slot:
+    def slot(self, meta: TensorMeta, position: int, rank: int, coord: Sequence[int], box: Box | None = None) -> Slot:
         g = self.grid
-        box = grid_box(g, meta.shape, coord)
+        if box is None:
+            box = grid_box(g, meta.shape, coord)
         if g.local is None:
-            return Slot(rank, box, meta.name, box.sizes, (0,) * len(meta.shape), ())
+            return Slot(rank, box, meta.name, box.sizes, _zeros(len(meta.shape)), ())
+        return Slot(rank, box, g.local.name, g.local.shape, self.offset(position), g.dims)
+
+    def offset(self, position: int) -> tuple[int, ...]:
+        """Local offset of the chunk of the ``position``-th tensor (shared locals only)."""
+        g = self.grid
+        assert g.local is not None
         nd = len(g.local.shape)
-        base = g.offset or (0,) * nd
-        step = g.step or (0,) * nd
-        off = tuple(b + position * s for b, s in zip(base, step, strict=True))
-        return Slot(rank, box, g.local.name, g.local.shape, off, g.dims)
+        base = g.offset or _zeros(nd)
+        step = g.step
+        if not step or not position:
+            return base
+        if step[1:] == _zeros(nd - 1):  # expert stacks: only the leading dim moves
+            return (base[0] + position * step[0], *base[1:])
+        return tuple(b + position * s for b, s in zip(base, step, strict=True))

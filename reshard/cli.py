@@ -1,0 +1,60 @@
+"""The ``reshard`` command line: ``plan``, ``bench``, ``demo``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+__all__ = ["main"]
+
+
+def _plan(args: argparse.Namespace) -> int:
+    from reshard.plan.report import plan_report
+
+    report = plan_report(
+        model=args.model,
+        trainer=args.trainer,
+        engine=args.engine,
+        cluster=args.cluster,
+        colocate=args.colocate,
+        round_bytes=args.round_mib << 20,
+    )
+    if args.json:
+        print(json.dumps(report.data, indent=2))
+    else:
+        print(report.table())
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="reshard", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("plan", help="predict what a layout change costs on a described cluster")
+    p.add_argument(
+        "--model",
+        required=True,
+        help="preset name (llama3-8b, llama3-70b, qwen3-30b-a3b, qwen3-235b, deepseek-v3) or a path to a config.json",
+    )
+    p.add_argument("--trainer", required=True, help="trainer degrees: fsdp=64 | tp=4,pp=8,ep=16[,etp=1][,dp=4]")
+    p.add_argument("--engine", required=True, help="engine degrees: tp=8,dp=16[,ep=on]")
+    p.add_argument("--cluster", required=True, help="dgx-h100 | gb200-nvl72")
+    p.add_argument("--colocate", action="store_true", help="engine rank i shares GPU i with trainer rank i")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--round-mib", type=int, default=128, help="tensor data per round (MiB)")
+    p.set_defaults(func=_plan)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except ValueError as e:
+        print(f"reshard {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
