@@ -343,7 +343,9 @@ def engine_layouts(
         return _engine_layouts(tensors, config, spec, base)
 
 
-def _engine_layouts(tensors: tuple[TensorMeta, ...], config: dict[str, Any], spec: EngineSpec, base: int) -> SideLayouts:
+def _engine_layouts(
+    tensors: tuple[TensorMeta, ...], config: dict[str, Any], spec: EngineSpec, base: int
+) -> SideLayouts:
     tp, dp = spec.tp, spec.dp
     mesh = Mesh(shape=(dp, tp), start=base)
     heads = int(config.get("num_attention_heads", 1))
