@@ -528,23 +528,35 @@ class RankPlan:
 
 
 class RoundTable:
-    """Round of every row block of every tensor; identical on every rank."""
+    """Round of every row block of every tensor; identical on every rank.
 
-    def __init__(self, metas: Sequence[TensorMeta], round_bytes: int) -> None:
+    A row block weighs its bytes times the tensor's *share*: the largest
+    number of its elements any one rank receives plus the largest number any
+    one rank sends from, over its element count (1 when a rank holds or needs
+    the whole tensor). A round holds at most ``round_bytes`` of weight, so no
+    rank stages more than that per round for its own pieces, while tensors
+    cut into many pieces share rounds instead of taking one each.
+    """
+
+    def __init__(self, metas: Sequence[TensorMeta], round_bytes: int, shares: Sequence[int] | None = None) -> None:
         if round_bytes <= 0:
             raise ValueError(f"round_bytes must be positive, got {round_bytes}")
         self.round_bytes = round_bytes
         self.rows_per_block: list[int] = []
         self.block_rounds: list[list[int]] = []
         rnd, fill = 0, 0
-        for meta in metas:
+        for i, meta in enumerate(metas):
             rows = meta.shape[0] if meta.shape else 1
+            numel = math.prod(meta.shape)
+            share = numel if shares is None else min(max(shares[i], 1), numel)
             row_bytes = meta.nbytes // rows if rows else 0
-            rpb = max(1, round_bytes // row_bytes) if row_bytes else max(rows, 1)
+            # Integer arithmetic only: every rank must cut identically.
+            row_weight = -(-row_bytes * share // numel) if numel else 0
+            rpb = max(1, round_bytes // row_weight) if row_weight else max(rows, 1)
             nblocks = max(1, -(-rows // rpb))
             rounds = []
             for b in range(nblocks):
-                ub = min(rpb, rows - b * rpb) * row_bytes
+                ub = min(rpb, rows - b * rpb) * row_weight
                 if fill and fill + ub > round_bytes:
                     rnd += 1
                     fill = 0
@@ -707,8 +719,8 @@ class Planner:
         with gc_paused():
             self.order: list[TensorMeta] = sorted(dests.metas.values(), key=lambda m: natural_key(m.name))
             self.ordinal = {m.name: i for i, m in enumerate(self.order)}
-            self.rounds = RoundTable(self.order, round_bytes)
             self._families = self._build_families()
+            self.rounds = RoundTable(self.order, round_bytes, self._shares())
 
     # -- inputs -----------------------------------------------------------
 
@@ -785,6 +797,36 @@ class Planner:
             fam.dst_ranks = frozenset(dranks)
             fam.dst_domains = tuple(sorted({self._domain(r) for r in dranks}))
         return out
+
+    def _shares(self) -> list[int]:
+        """Per tensor (by ordinal): max elements one rank receives + max one rank sends from."""
+        shares = [math.prod(m.shape) for m in self.order]
+        memo: dict[tuple, int] = {}
+        for fam in self._families:
+            most = 0
+            for side, grids, slots in (
+                (self.dests, fam.dst_grids, fam.dst_slots),
+                (self.sources, fam.src_grids, fam.src_slots),
+            ):
+                key = (id(side), tuple(side.geometry_id(g) for g in grids), fam.shape) if not slots else None
+                if key is not None and key in memo:
+                    most += memo[key]
+                    continue
+                per_rank: Counter = Counter()
+                for g in grids:
+                    info = side.grids[g]
+                    for box, ranks, _ in info.holders(fam.shape):
+                        for r in ranks:
+                            per_rank[r] += box.numel
+                for sl in slots:
+                    per_rank[sl.rank] += sl.box.numel
+                top = max(per_rank.values(), default=0)
+                if key is not None:
+                    memo[key] = top
+                most += top
+            for o in fam.ordinals:
+                shares[o] = most
+        return shares
 
     def _grid_by_domain(self, gid: int) -> dict[int, list[tuple[int, tuple[int, ...]]]]:
         got = self._grid_domains.get(gid)
