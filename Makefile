@@ -23,9 +23,11 @@ $(STAMP): requirements/cpu.txt pyproject.toml
 demo: setup
 	$(BIN)/reshard plan --model llama3-70b --trainer fsdp=64 --engine tp=8,dp=8 --cluster dgx-h100
 
+LINT_PATHS := $(wildcard reshard tests benchmarks examples)
+
 lint: setup
-	$(BIN)/ruff check reshard tests benchmarks examples
-	$(BIN)/ruff format --check reshard tests benchmarks examples
+	$(BIN)/ruff check $(LINT_PATHS)
+	$(BIN)/ruff format --check $(LINT_PATHS)
 
 typecheck: setup
 	$(BIN)/mypy
