@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from reshard.plan.box import Box
 from reshard.plan.layout import Grid, Layout, LocalTensor, Mesh, Piece, TensorMeta
 
-DTYPES = ["float32", "bfloat16", "int8", "float16"]
+DTYPES = ["float32", "bfloat16", "int8", "float16", "float8_e4m3fn"]
 
 
 @dataclass

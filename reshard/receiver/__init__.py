@@ -1,0 +1,98 @@
+"""The engine side: a :class:`Receiver` inside every engine worker.
+
+Engine-agnostic: it is given the worker's local tensors and the boxes of the
+canonical tensors they hold (explicit :class:`PieceSpec` records or grid
+rules). The vLLM and SGLang adapters learn those from the engines' own
+loaders and wrap this class.
+
+Call order (every engine worker, collectively with every trainer rank):
+
+1. ``receiver = Receiver(tensors, pieces, config=..., rank=...)``.
+2. ``receiver.pull(n)`` for refits ``n = 1, 2, ...``. Problems with the
+   layouts raise :class:`reshard.RefitError` on every rank before any byte
+   moves; otherwise every byte this worker keeps lands in its tensors.
+3. ``receiver.close()``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING
+
+from reshard.layouts import GridSpec, PieceSpec, build_layout
+from reshard.plan.layout import Layout
+from reshard.plan.planner import RankPlan
+from reshard.transport.group import GroupConfig
+from reshard.transport.session import DEFAULT_BUDGET_BYTES, RefitSession, RefitStats
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["Receiver"]
+
+
+class Receiver:
+    """Pulls one engine worker's slices in refits (see the module docstring)."""
+
+    def __init__(
+        self,
+        tensors: Mapping[str, torch.Tensor],
+        pieces: Sequence[PieceSpec] = (),
+        *,
+        config: GroupConfig,
+        rank: int,
+        grids: Sequence[GridSpec] = (),
+        layout: Layout | None = None,
+        device: torch.device | str | None = None,
+        budget_bytes: int = DEFAULT_BUDGET_BYTES,
+        round_bytes: int | None = None,
+        check_tensors: bool = True,
+    ) -> None:
+        """``tensors``: local name -> tensor (a mapping may materialize
+        tensors lazily; then pass ``check_tensors=False``). ``rank``: this
+        worker's refit rank (``config.num_sources + engine worker index``)."""
+        if rank < config.num_sources:
+            raise ValueError(f"refit rank {rank} is a source rank; engine workers start at {config.num_sources}")
+        if layout is None:
+            layout = build_layout(rank, pieces, grids)
+        if check_tensors:
+            from reshard.sender import _check_locals
+
+            _check_locals(layout, tensors)
+        if device is None:
+            first = next(iter(tensors.values()), None) if check_tensors else None
+            device = first.device if first is not None else "cpu"
+        self.rank = rank
+        self.layout = layout
+        self.session = RefitSession(
+            config,
+            rank=rank,
+            layout=layout,
+            tensors=tensors,
+            device=device,
+            budget_bytes=budget_bytes,
+            round_bytes=round_bytes,
+        )
+
+    def connect(self) -> None:
+        """Join the refit group now (``pull`` does it on first use)."""
+        self.session.connect()
+
+    def pull(
+        self,
+        refit: int,
+        *,
+        destinations: Mapping[str, torch.Tensor] | None = None,
+        after_round: Callable[[int], None] | None = None,
+        before_transfer: Callable[[RankPlan], None] | None = None,
+    ) -> RefitStats:
+        """Receive refit number ``refit``. ``destinations`` overrides the
+        tensors to write into for this refit; ``before_transfer(plan)`` runs
+        once every rank agreed to go ahead, before the first byte moves;
+        ``after_round(i)`` after each round of this rank."""
+        return self.session.refit(
+            refit, destinations=destinations, after_round=after_round, before_transfer=before_transfer
+        )
+
+    def close(self) -> None:
+        self.session.close()

@@ -1,0 +1,171 @@
+"""The trainer side: a :class:`Sender` on every trainer rank.
+
+Call order (every trainer rank, collectively with every engine worker):
+
+1. ``sender = Sender(model, config=GroupConfig(...))`` - reads what this rank
+   holds: DTensor parameters (FSDP2 ``fully_shard``, TP) from their mesh and
+   placements, plain tensors as replicas, fused transformers parameters split
+   into checkpoint tensors; or explicit :class:`PieceSpec` records
+   (:meth:`Sender.from_pieces`, used by the Megatron adapter).
+2. ``sender.push(n)`` for refits ``n = 1, 2, ...``: joins the refit group on
+   first use, then plans and sends. Every engine worker calls its receiver's
+   ``pull(n)`` at the same time.
+3. ``sender.close()``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING
+
+from reshard.layouts import GridSpec, PieceSpec, build_layout
+from reshard.plan.layout import Layout
+from reshard.sender.pieces import default_rename, describe_module
+from reshard.transport.group import GroupConfig
+from reshard.transport.session import DEFAULT_BUDGET_BYTES, RefitSession, RefitStats
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["Sender", "default_rename"]
+
+
+class Sender:
+    """Serves one trainer rank's tensors to refits (see the module docstring)."""
+
+    def __init__(
+        self,
+        source: torch.nn.Module | Mapping[str, torch.Tensor],
+        *,
+        config: GroupConfig,
+        rank: int | None = None,
+        rename: Callable[[str], str | None] | None = default_rename,
+        model_type: str | None = None,
+        include_buffers: bool = True,
+        source_rank_of: Callable[[int], int] | None = None,
+        device: torch.device | str | None = None,
+        budget_bytes: int = DEFAULT_BUDGET_BYTES,
+        round_bytes: int | None = None,
+    ) -> None:
+        """``source``: a module (parameters and persistent buffers) or a dict
+        of named tensors. ``rank``: this trainer rank (default: the rank in
+        the default process group, else 0). ``rename`` maps a parameter name
+        to its checkpoint name (``None`` skips it; the default strips FSDP,
+        DDP and ``torch.compile`` prefixes). ``model_type``: the transformers
+        model type whose checkpoint conversion splits fused parameters
+        (default: ``source.config.model_type`` when present).
+        ``source_rank_of`` maps a DTensor mesh rank (a rank of the trainer's
+        default group) to its refit rank (default: the same number)."""
+        if rank is None:
+            rank = _default_rank()
+        if rank >= config.num_sources:
+            raise ValueError(f"trainer rank {rank} but the refit group has {config.num_sources} source ranks")
+        if model_type is None:
+            model_type = getattr(getattr(source, "config", None), "model_type", None)
+        self._describe: Callable[[], tuple] | None = lambda: describe_module(
+            source,
+            rank=rank,
+            rename=rename,
+            model_type=model_type,
+            include_buffers=include_buffers,
+            source_rank_of=source_rank_of,
+        )
+        pieces, grids, tensors = self._describe()
+        layout = build_layout(rank, pieces, grids)
+        self._init(config, rank, layout, tensors, device, budget_bytes, round_bytes)
+
+    @classmethod
+    def from_pieces(
+        cls,
+        pieces: Sequence[PieceSpec],
+        tensors: Mapping[str, torch.Tensor],
+        *,
+        config: GroupConfig,
+        rank: int,
+        grids: Sequence[GridSpec] = (),
+        device: torch.device | str | None = None,
+        budget_bytes: int = DEFAULT_BUDGET_BYTES,
+        round_bytes: int | None = None,
+    ) -> Sender:
+        """A sender for an explicit layout: ``pieces`` say which box of which
+        canonical tensor sits where in ``tensors`` (local name -> tensor)."""
+        self = cls.__new__(cls)
+        self._describe = None
+        self._init(config, rank, build_layout(rank, pieces, grids), tensors, device, budget_bytes, round_bytes)
+        return self
+
+    @classmethod
+    def from_layout(
+        cls,
+        layout: Layout,
+        tensors: Mapping[str, torch.Tensor],
+        *,
+        config: GroupConfig,
+        device: torch.device | str | None = None,
+        budget_bytes: int = DEFAULT_BUDGET_BYTES,
+        round_bytes: int | None = None,
+    ) -> Sender:
+        """A sender for a ready-made :class:`Layout` (pieces and grids)."""
+        self = cls.__new__(cls)
+        self._describe = None
+        self._init(config, layout.rank, layout, tensors, device, budget_bytes, round_bytes)
+        return self
+
+    def _init(self, config, rank, layout: Layout, tensors, device, budget_bytes, round_bytes) -> None:
+        _check_locals(layout, tensors)
+        if device is None:
+            device = next(iter(tensors.values())).device if tensors else "cpu"
+        self.rank = rank
+        self.layout = layout
+        self.session = RefitSession(
+            config,
+            rank=rank,
+            layout=layout,
+            tensors=tensors,
+            device=device,
+            budget_bytes=budget_bytes,
+            round_bytes=round_bytes,
+        )
+
+    def connect(self) -> None:
+        """Join the refit group now (``push`` does it on first use)."""
+        self.session.connect()
+
+    def push(self, refit: int, *, after_round: Callable[[int], None] | None = None) -> RefitStats:
+        """Send refit number ``refit`` (collective with every refit rank);
+        ``after_round(i)`` runs after each round of this rank."""
+        if self._describe is not None:
+            # Local shards are re-read each time: a trainer may have replaced them.
+            _, _, tensors = self._describe()
+            _check_locals(self.layout, tensors)
+            self.session.tensors = tensors
+        return self.session.refit(refit, after_round=after_round)
+
+    def close(self) -> None:
+        self.session.close()
+
+
+def _default_rank() -> int:
+    try:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            return dist.get_rank()
+    except ImportError:  # pragma: no cover
+        pass
+    return 0
+
+
+def _check_locals(layout: Layout, tensors: Mapping) -> None:
+    """Every local tensor the layout names exists, has its shape and is contiguous."""
+    for loc in layout.locals:
+        t = tensors.get(loc.name)
+        if t is None:
+            raise ValueError(f"rank {layout.rank}: layout names local tensor {loc.name!r}, which is not given")
+        if tuple(t.shape) != tuple(loc.shape):
+            raise ValueError(
+                f"rank {layout.rank}: local tensor {loc.name!r} has shape {list(t.shape)}, "
+                f"layout says {list(loc.shape)}"
+            )
+        if not t.is_contiguous():
+            raise ValueError(f"rank {layout.rank}: local tensor {loc.name!r} is not contiguous in memory")

@@ -1,0 +1,354 @@
+"""Execute one rank's plan on a refit group.
+
+Per round: transfers to (from) each peer become messages, both sides cut
+them the same way (:func:`messages`): a transfer of at least
+``big_bytes`` is a message of its own, received straight into its
+destination when the destination slice is contiguous and sent straight from
+its source when the source slice is contiguous (zero copy); smaller
+transfers to one peer are packed into one message. Non-contiguous slices go
+through a staging arena whose size the plan fixes in advance
+(:func:`staging_need`); a slice sent to several peers is packed once.
+Messages of a round are posted together (one NCCL group) and waited on;
+a forward reads what this rank received in an earlier round.
+
+Failure: if a round fails or another rank signals an abort, the executor
+raises at once (its waits run in a helper thread so the store can be
+watched), and the caller closes the group so peers blocked on this rank
+fail too.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from reshard.errors import RefitError
+from reshard.plan.planner import RankPlan, Round, Transfer
+
+if TYPE_CHECKING:
+    import torch
+
+    from reshard.transport.group import RefitGroup
+
+__all__ = ["BIG_BYTES", "ExecStats", "Executor", "messages", "staging_need"]
+
+BIG_BYTES = 1 << 20
+"""Transfers at least this large travel as their own message."""
+
+_ALIGN = 64
+
+
+def _align(n: int) -> int:
+    return -(-n // _ALIGN) * _ALIGN
+
+
+def packed_size(msg: list[Transfer]) -> int:
+    """Bytes of a message: each transfer padded to the arena alignment, so every
+    slice in a packed buffer can be viewed as its dtype."""
+    if len(msg) == 1:
+        return msg[0].nbytes
+    return sum(_align(t.nbytes) for t in msg)
+
+
+def messages(transfers: list[Transfer], big_bytes: int = BIG_BYTES) -> list[list[Transfer]]:
+    """Cut one peer's transfers of one round into messages, identically on both sides:
+    the packed small transfers first (if any), then each big transfer alone."""
+    small = [t for t in transfers if t.nbytes < big_bytes]
+    big = [[t] for t in transfers if t.nbytes >= big_bytes]
+    return ([small] if small else []) + big
+
+
+def _is_contiguous_slice(slot, box) -> bool:
+    """Is the local region of ``box`` one contiguous run (row-major), in global dim order?"""
+    if not slot.is_plain():
+        return False
+    offs, sizes = slot.local_box(box)
+    shape = slot.local_shape
+    # After the first dim with more than one element, every dim must be whole.
+    seen_partial = False
+    for s, n in zip(sizes, shape, strict=True):
+        if seen_partial and s != n:
+            return False
+        if s > 1:
+            seen_partial = True
+    del offs
+    return True
+
+
+def staging_need(plan: RankPlan, big_bytes: int = BIG_BYTES) -> int:
+    """Staging bytes of the busiest round of ``plan`` (what the arena must hold)."""
+    need = 0
+    for rnd in plan.rounds:
+        need = max(need, _round_staging(rnd, plan.rank, big_bytes)[0])
+    return need
+
+
+def _round_staging(rnd: Round, rank: int, big_bytes: int) -> tuple[int, dict]:
+    """(bytes, layout) of the staging a round needs; layout maps keys to offsets."""
+    offsets: dict[tuple, int] = {}
+    total = 0
+
+    def take(key: tuple, n: int) -> None:
+        nonlocal total
+        if key not in offsets:
+            offsets[key] = total
+            total += _align(n)
+
+    for peer in sorted(rnd.sends):
+        for i, msg in enumerate(messages(rnd.sends[peer], big_bytes)):
+            if len(msg) > 1 or msg[0].nbytes < big_bytes:
+                take(("send", peer, i), packed_size(msg))
+            elif not _is_contiguous_slice(msg[0].src, msg[0].box):
+                t = msg[0]
+                # Pack once, send to every peer that gets the same slice.
+                take(("slice", t.kind, t.src.local, t.src.offset, t.box), t.nbytes)
+    for peer in sorted(rnd.recvs):
+        for i, msg in enumerate(messages(rnd.recvs[peer], big_bytes)):
+            if len(msg) > 1 or msg[0].nbytes < big_bytes or not _is_contiguous_slice(msg[0].dst, msg[0].box):
+                take(("recv", peer, i), packed_size(msg))
+    return total, offsets
+
+
+@dataclass(slots=True)
+class ExecStats:
+    """What one rank moved in one refit."""
+
+    rank: int
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    bytes_copied: int = 0
+    messages_sent: int = 0
+    messages_received: int = 0
+    rounds: int = 0
+    peak_staging_bytes: int = 0
+    seconds: float = 0.0
+    recv_by_peer: dict[int, int] = field(default_factory=dict)
+    send_by_peer: dict[int, int] = field(default_factory=dict)
+
+    def as_dict(self) -> dict:
+        return {k: getattr(self, k) for k in self.__slots__}
+
+
+class Executor:
+    """Runs a :class:`RankPlan` on a :class:`RefitGroup`.
+
+    ``sources`` maps local names to this rank's source tensors (trainer side),
+    ``destinations`` to its destination tensors (engine side; a mapping may
+    materialize tensors lazily). ``after_round(i)`` runs after round ``i``
+    completed on this rank, when every byte it received so far has landed.
+    """
+
+    def __init__(
+        self,
+        group: RefitGroup,
+        plan: RankPlan,
+        *,
+        sources: Mapping[str, torch.Tensor] | None = None,
+        destinations: Mapping[str, torch.Tensor] | None = None,
+        budget_bytes: int = 256 << 20,
+        big_bytes: int = BIG_BYTES,
+        device: torch.device | str = "cpu",
+        after_round: Callable[[int], None] | None = None,
+        refit: int = 0,
+    ) -> None:
+        import torch
+
+        self.group = group
+        self.plan = plan
+        self.sources = sources if sources is not None else {}
+        self.destinations = destinations if destinations is not None else {}
+        self.big_bytes = big_bytes
+        self.device = torch.device(device)
+        self.after_round = after_round
+        self.refit = refit
+        need = staging_need(plan, big_bytes)
+        if need > budget_bytes:
+            raise ValueError(
+                f"rank {plan.rank}: its busiest round needs {need} bytes of staging, over the budget of "
+                f"{budget_bytes}; plan with smaller rounds"
+            )
+        self._arena = torch.empty(need, dtype=torch.uint8, device=self.device) if need else None
+        self._pool = cf.ThreadPoolExecutor(1, thread_name_prefix="reshard-wait")
+
+    # -- views -------------------------------------------------------------
+
+    def _tensor(self, t: Transfer, side: str) -> torch.Tensor:
+        if side == "src":
+            table = self.destinations if t.kind == "fwd" else self.sources
+            slot = t.src
+        else:
+            table = self.destinations
+            slot = t.dst
+        try:
+            return table[slot.local]
+        except KeyError:
+            raise KeyError(
+                f"rank {self.plan.rank}: no local tensor {slot.local!r} for {t.tensor}{t.box} ({t.kind})"
+            ) from None
+
+    @staticmethod
+    def _view(tensor: torch.Tensor, slot, box) -> torch.Tensor:
+        """The region of ``box`` in ``tensor``, in global dim order (a view)."""
+        offs, sizes = slot.local_box(box)
+        v = tensor
+        for d, (o, s) in enumerate(zip(offs, sizes, strict=True)):
+            if o != 0 or s != v.shape[d]:
+                v = v.narrow(d, o, s)
+        if slot.is_plain():
+            return v
+        kept, to_global, _ = slot.axes()
+        return v.reshape([v.shape[k] for k in kept]).permute(to_global)
+
+    def _bytes_view(self, t: Transfer, side: str) -> torch.Tensor:
+        """A uint8 view of a transfer's slice, which the plan says is contiguous."""
+        import torch
+
+        v = self._view(self._tensor(t, side), t.src if side == "src" else t.dst, t.box)
+        if not v.is_contiguous():
+            slot = t.src if side == "src" else t.dst
+            raise RefitError(
+                "transfer",
+                {
+                    self.plan.rank: f"local tensor {slot.local!r} is not contiguous in memory; reshard needs "
+                    "contiguous local tensors"
+                },
+                version=self.refit,
+            )
+        return v.view(-1).view(torch.uint8)
+
+    # -- running -------------------------------------------------------------
+
+    def run(self) -> ExecStats:
+        stats = ExecStats(rank=self.plan.rank)
+        t0 = time.perf_counter()
+        try:
+            for rnd in self.plan.rounds:
+                self._run_round(rnd, stats)
+                stats.rounds += 1
+                if self.after_round is not None:
+                    self.after_round(rnd.index)
+        finally:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+        stats.seconds = time.perf_counter() - t0
+        return stats
+
+    def _run_round(self, rnd: Round, stats: ExecStats) -> None:
+        staging_bytes, offsets = _round_staging(rnd, self.plan.rank, self.big_bytes)
+        stats.peak_staging_bytes = max(stats.peak_staging_bytes, staging_bytes)
+        arena = self._arena
+        recv_ops: list[tuple] = []
+        send_ops: list[tuple] = []
+        # Receives: straight into the destination when possible, else into staging.
+        for peer in sorted(rnd.recvs):
+            for i, msg in enumerate(messages(rnd.recvs[peer], self.big_bytes)):
+                n = packed_size(msg)
+                off = offsets.get(("recv", peer, i))
+                if off is not None:
+                    assert arena is not None
+                    recv_ops.append((arena.narrow(0, off, n), peer, msg, True))
+                else:
+                    recv_ops.append((self._bytes_view(msg[0], "dst"), peer, msg, False))
+                stats.messages_received += 1
+                stats.bytes_received += n
+                stats.recv_by_peer[peer] = stats.recv_by_peer.get(peer, 0) + n
+        # Sends: straight from the source when it is one contiguous slice, else packed.
+        packed: set[tuple] = set()
+        for peer in sorted(rnd.sends):
+            for i, msg in enumerate(messages(rnd.sends[peer], self.big_bytes)):
+                n = packed_size(msg)
+                off = offsets.get(("send", peer, i))
+                if off is not None:
+                    assert arena is not None
+                    pos = off
+                    for t in msg:
+                        src = self._view(self._tensor(t, "src"), t.src, t.box)
+                        arena.narrow(0, pos, t.nbytes).view(src.dtype).view(t.box.sizes).copy_(src)
+                        pos += _align(t.nbytes) if len(msg) > 1 else t.nbytes
+                    buf = arena.narrow(0, off, n)
+                else:
+                    t = msg[0]
+                    skey = ("slice", t.kind, t.src.local, t.src.offset, t.box)
+                    soff = offsets.get(skey)
+                    if soff is not None:
+                        # Non-contiguous big slice: packed once, sent to every peer that gets it.
+                        assert arena is not None
+                        buf = arena.narrow(0, soff, n)
+                        if skey not in packed:
+                            src = self._view(self._tensor(t, "src"), t.src, t.box)
+                            buf.view(src.dtype).view(t.box.sizes).copy_(src)
+                            packed.add(skey)
+                    else:
+                        buf = self._bytes_view(t, "src")
+                send_ops.append((buf, peer))
+                stats.messages_sent += 1
+                stats.bytes_sent += n
+                stats.send_by_peer[peer] = stats.send_by_peer.get(peer, 0) + n
+        if recv_ops or send_ops:
+            self._exchange([(b, p) for b, p, _, _ in recv_ops], send_ops)
+        # Unpack staged receives.
+        for buf, _peer, msg, staged in recv_ops:
+            if not staged:
+                continue
+            pos = 0
+            for t in msg:
+                dst = self._view(self._tensor(t, "dst"), t.dst, t.box)
+                dst.copy_(buf.narrow(0, pos, t.nbytes).view(dst.dtype).view(t.box.sizes))
+                pos += _align(t.nbytes) if len(msg) > 1 else t.nbytes
+        for t in rnd.copies:
+            src = self._view(self._tensor(t, "src"), t.src, t.box)
+            dst = self._view(self._tensor(t, "dst"), t.dst, t.box)
+            dst.copy_(src)
+            stats.bytes_copied += t.nbytes
+
+    def _exchange(self, recvs: list, sends: list) -> None:
+        """Post a round's receives and sends together and wait for all of them,
+        watching the store for an abort and the clock for the timeout."""
+        group = self.group
+        pg = group.pg
+        if pg is None:
+            raise RefitError("transfer", {self.plan.rank: "the refit group is closed"}, version=self.refit)
+        nccl = group.backend == "nccl"
+        works = []
+        if nccl:
+            pg._start_coalescing(self.device)  # type: ignore[attr-defined]
+        for buf, peer in recvs:
+            works.append(pg.recv([buf], peer, 0))  # type: ignore[attr-defined]
+        for buf, peer in sends:
+            works.append(pg.send([buf], peer, 0))  # type: ignore[attr-defined]
+        if nccl:
+            works = [pg._end_coalescing(self.device)]  # type: ignore[attr-defined]
+
+        def wait_all() -> None:
+            for w in works:
+                w.wait()
+            if nccl:
+                import torch
+
+                torch.cuda.current_stream(self.device).synchronize()
+
+        fut = self._pool.submit(wait_all)
+        deadline = time.monotonic() + group.config.timeout_s
+        next_check = 0.0
+        while True:
+            try:
+                fut.result(timeout=0.05)
+                return
+            except cf.TimeoutError:
+                pass
+            except Exception as e:
+                raise RefitError("transfer", {self.plan.rank: f"transfer failed: {e}"}, version=self.refit) from e
+            now = time.monotonic()
+            if now >= next_check:
+                next_check = now + 0.25
+                msg = group.aborted(self.refit)
+                if msg is not None:
+                    raise RefitError("transfer", {self.plan.rank: f"aborted: {msg}"}, version=self.refit)
+            if now >= deadline:
+                raise RefitError(
+                    "transfer",
+                    {self.plan.rank: f"a round did not complete within {group.config.timeout_s}s"},
+                    version=self.refit,
+                )

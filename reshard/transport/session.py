@@ -1,0 +1,274 @@
+"""One rank's side of refits: join, publish its layout, plan, agree, execute.
+
+Shared by :class:`reshard.Sender` (trainer ranks) and
+:class:`reshard.Receiver` (engine workers). Call order on every rank:
+
+1. ``connect()`` - join the group, publish this rank's layout, read every
+   rank's layout (tables are stored once per distinct table), index them.
+2. ``refit(n)`` for refits ``n = 1, 2, ...`` (strictly increasing):
+   a. plan this rank (cached while layouts stay the same) and check what
+      the plan touches;
+   b. agree on step ``plan``: every rank's problems reach every rank, which
+      all raise :class:`RefitError` before any byte moves; if a rank's
+      busiest round needs more staging than the budget, every rank replans
+      with smaller rounds (a deterministic, global decision);
+   c. execute the rounds;
+   d. agree on step ``done``: every rank learns whether all ranks finished.
+3. ``close()``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from reshard.errors import PlanError, Problem, RefitError
+from reshard.plan.layout import Layout, TensorMeta, table_digest
+from reshard.plan.planner import DEFAULT_ROUND_BYTES, LayoutSet, Planner, RankPlan, gc_paused
+from reshard.transport import wire
+from reshard.transport.execute import BIG_BYTES, ExecStats, Executor, staging_need
+from reshard.transport.group import GroupConfig, RefitGroup
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["RefitSession", "RefitStats"]
+
+DEFAULT_BUDGET_BYTES = 256 << 20
+
+
+@dataclass(slots=True)
+class RefitStats:
+    """One rank's account of one refit."""
+
+    refit: int
+    rank: int
+    exec: ExecStats
+    plan_seconds: float
+    agree_seconds: float
+    total_seconds: float
+    round_bytes: int
+
+    def as_dict(self) -> dict:
+        d = self.exec.as_dict()
+        d.update(
+            refit=self.refit,
+            plan_seconds=self.plan_seconds,
+            agree_seconds=self.agree_seconds,
+            total_seconds=self.total_seconds,
+            round_bytes=self.round_bytes,
+        )
+        return d
+
+
+class RefitSession:
+    def __init__(
+        self,
+        config: GroupConfig,
+        *,
+        rank: int,
+        layout: Layout,
+        tensors: Mapping[str, torch.Tensor],
+        device: torch.device | str = "cpu",
+        budget_bytes: int = DEFAULT_BUDGET_BYTES,
+        round_bytes: int | None = None,
+        big_bytes: int = BIG_BYTES,
+    ) -> None:
+        if layout.rank != rank:
+            raise ValueError(f"layout is for rank {layout.rank}, session for rank {rank}")
+        if budget_bytes <= 0:
+            raise ValueError(f"budget_bytes must be positive, got {budget_bytes}")
+        self.config = config
+        self.rank = rank
+        self.layout = layout
+        self.tensors = tensors
+        self.device = device
+        self.budget_bytes = budget_bytes
+        self.round_bytes = round_bytes or min(DEFAULT_ROUND_BYTES, budget_bytes // 2)
+        self.big_bytes = big_bytes
+        self.group: RefitGroup | None = None
+        self.planner: Planner | None = None
+        self._plan: RankPlan | None = None
+        self._plan_round_bytes = 0
+        self.last_refit = 0
+        self._layouts: dict[int, Layout] = {}
+
+    @property
+    def is_source(self) -> bool:
+        return self.rank < self.config.num_sources
+
+    # -- 1. connect ----------------------------------------------------------
+
+    def connect(self) -> None:
+        if self.group is not None:
+            return
+        group = RefitGroup.join(self.config, rank=self.rank, device=self.device)
+        self.group = group
+        store = group.store
+        lay = self.layout
+        digest = table_digest(lay.tensors)
+        key = f"table/{digest}"
+        if not store.check([key]):
+            store.set(key, wire.encode(wire.Table(tensors=lay.tensors)))
+        msg = wire.RankLayout(rank=lay.rank, table=digest, locals=lay.locals, pieces=lay.pieces, grids=lay.grids)
+        store.set(f"layout/{self.rank}", wire.encode(msg))
+        keys = [f"layout/{r}" for r in range(self.config.world_size)]
+        missing = group._wait_keys(keys, time.monotonic() + self.config.timeout_s)
+        if missing:
+            raise RefitError("layout", {self.rank: f"no layout from {missing} within {self.config.timeout_s}s"})
+        tables: dict[str, tuple[TensorMeta, ...]] = {}
+        layouts: dict[int, Layout] = {}
+        try:
+            with gc_paused():
+                for k, v in zip(keys, store.multi_get(keys), strict=True):
+                    rl = wire.decode(v, wire.RankLayout)
+                    assert isinstance(rl, wire.RankLayout)
+                    r = int(k.split("/")[1])
+                    if rl.rank != r:
+                        raise ValueError(f"layout/{r} holds the layout of rank {rl.rank}")
+                    if rl.table not in tables:
+                        t = wire.decode(store.get(f"table/{rl.table}"), wire.Table)
+                        assert isinstance(t, wire.Table)
+                        if table_digest(t.tensors) != rl.table:
+                            raise ValueError(f"table {rl.table} does not match its digest")
+                        tables[rl.table] = t.tensors
+                    layouts[r] = Layout(
+                        rank=r, tensors=tables[rl.table], locals=rl.locals, pieces=rl.pieces, grids=rl.grids
+                    )
+        except Exception as e:
+            group.signal_abort(0, f"bad layout metadata: {e}")
+            raise RefitError("layout", {self.rank: f"cannot read the layouts: {e}"}) from e
+        self._layouts = layouts
+
+    def _planner(self) -> Planner:
+        if self.planner is None:
+            assert self.group is not None
+            s = self.config.num_sources
+            with gc_paused():
+                sources = LayoutSet.from_layouts(
+                    "source", [self._layouts[r] for r in range(s)], check_ranks=(self.rank,)
+                )
+                dests = LayoutSet.from_layouts(
+                    "destination",
+                    [self._layouts[r] for r in range(s, self.config.world_size)],
+                    check_ranks=(self.rank,),
+                )
+            self._sets = (sources, dests)
+            self.planner = Planner(sources, dests, domain_of=self.group.domain_of(), round_bytes=self.round_bytes)
+        return self.planner
+
+    def _replan(self, round_bytes: int) -> None:
+        assert self.group is not None
+        sources, dests = self._sets
+        self.round_bytes = round_bytes
+        self.planner = Planner(sources, dests, domain_of=self.group.domain_of(), round_bytes=round_bytes)
+        self._plan = None
+
+    # -- 2. refit --------------------------------------------------------------
+
+    def refit(
+        self,
+        refit: int,
+        *,
+        destinations: Mapping[str, torch.Tensor] | None = None,
+        after_round: Callable[[int], None] | None = None,
+        before_transfer: Callable[[RankPlan], None] | None = None,
+    ) -> RefitStats:
+        """Run refit number ``refit`` (see the module docstring)."""
+        if self.group is None:
+            self.connect()
+        group = self.group
+        assert group is not None
+        if refit <= self.last_refit:
+            raise ValueError(f"refit {refit} is not newer than the last one ({self.last_refit})")
+        t0 = time.perf_counter()
+        agree_s = 0.0
+        # a/b. plan and agree; shrink rounds until every rank's staging fits.
+        for _attempt in range(8):
+            problems: tuple[Problem, ...] = ()
+            need = 0
+            try:
+                planner = self._planner()
+                if self._plan is None:
+                    self._plan = planner.plan_for(self.rank)
+                need = staging_need(self._plan, self.big_bytes)
+            except PlanError as e:
+                problems = tuple(e.problems)
+            except Exception as e:
+                step = "plan" if _attempt == 0 else f"plan.{_attempt}"
+                group.agree(
+                    step, refit, wire.Status(rank=self.rank, step=step, refit=refit, ok=False, error=f"planning: {e}")
+                )
+                raise
+            step = "plan" if _attempt == 0 else f"plan.{_attempt}"
+            status = wire.Status(
+                rank=self.rank, step=step, refit=refit, ok=not problems, problems=problems, staging_need=need
+            )
+            ta = time.perf_counter()
+            statuses = group.agree(step, refit, status)
+            agree_s += time.perf_counter() - ta
+            worst = max(s.staging_need for s in statuses)
+            if worst <= self.budget_bytes:
+                break
+            shrunk = max(1, int(self.round_bytes * self.budget_bytes / worst * 0.9))
+            if shrunk >= self.round_bytes:
+                shrunk = self.round_bytes // 2
+            if shrunk < 1:
+                break
+            self._replan(shrunk)
+        plan_s = time.perf_counter() - t0 - agree_s
+        plan = self._plan
+        assert plan is not None
+        # c. execute.
+        if before_transfer is not None:
+            before_transfer(plan)
+        ex_stats: ExecStats | None = None
+        error = ""
+        try:
+            ex = Executor(
+                group,
+                plan,
+                sources=self.tensors if self.is_source else {},
+                destinations=destinations if destinations is not None else ({} if self.is_source else self.tensors),
+                budget_bytes=self.budget_bytes,
+                big_bytes=self.big_bytes,
+                device=self.device,
+                after_round=after_round,
+                refit=refit,
+            )
+            ex_stats = ex.run()
+        except Exception as e:
+            error = str(e)
+            group.signal_abort(refit, error)
+        # d. agree on the outcome.
+        ta = time.perf_counter()
+        try:
+            group.agree("done", refit, wire.Status(rank=self.rank, step="done", refit=refit, ok=not error, error=error))
+        except RefitError:
+            # The group's connections may be half-used: it cannot carry another refit.
+            self.close()
+            raise
+        agree_s += time.perf_counter() - ta
+        self.last_refit = refit
+        group.forget(refit - 1, ("plan", "done"))
+        assert ex_stats is not None
+        return RefitStats(
+            refit=refit,
+            rank=self.rank,
+            exec=ex_stats,
+            plan_seconds=plan_s,
+            agree_seconds=agree_s,
+            total_seconds=time.perf_counter() - t0,
+            round_bytes=self.round_bytes,
+        )
+
+    # -- 3. close ---------------------------------------------------------------
+
+    def close(self) -> None:
+        if self.group is not None:
+            self.group.close()
+            self.group = None
+        self.planner = None
+        self._plan = None

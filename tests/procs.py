@@ -1,0 +1,100 @@
+"""Run a function on N real processes (spawned, as torch.distributed needs).
+
+The harness passes results back through a multiprocessing queue; that is
+test plumbing, not the refit path (which never pickles).
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import socket
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class StoreServer:
+    """A TCPStore server owned by the test process (ranks join as clients)."""
+
+    def __init__(self) -> None:
+        import datetime
+
+        from torch.distributed import TCPStore
+
+        self.port = free_port()
+        self.store = TCPStore(
+            "127.0.0.1", self.port, None, True, timeout=datetime.timedelta(seconds=60), wait_for_workers=False
+        )
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+
+@dataclass
+class Outcome:
+    rank: int
+    ok: bool
+    value: Any = None
+    error: str = ""
+    seconds: float = 0.0
+    exitcode: int | None = None
+
+
+def _entry(fn: Callable, rank: int, args: tuple, q) -> None:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    import torch
+
+    torch.set_num_threads(1)
+    t0 = time.monotonic()
+    try:
+        value = fn(rank, *args)
+        q.put((rank, True, value, "", time.monotonic() - t0))
+    except BaseException as e:
+        q.put((rank, False, None, f"{type(e).__name__}: {e}\n{traceback.format_exc()}", time.monotonic() - t0))
+
+
+def run(fn: Callable, world: int, *args: Any, timeout: float = 180.0, ranks: list[int] | None = None) -> list[Outcome]:
+    """Run ``fn(rank, *args)`` for each rank in its own process; collect outcomes.
+
+    Processes still alive at ``timeout`` are killed and reported as hung.
+    """
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    ranks = list(range(world)) if ranks is None else ranks
+    procs = {r: ctx.Process(target=_entry, args=(fn, r, args, q), daemon=True) for r in ranks}
+    for p in procs.values():
+        p.start()
+    results: dict[int, Outcome] = {}
+    deadline = time.monotonic() + timeout
+    while len(results) < len(procs) and time.monotonic() < deadline:
+        try:
+            rank, ok, value, error, secs = q.get(timeout=0.2)
+            results[rank] = Outcome(rank, ok, value, error, secs)
+        except Exception:
+            if all(not p.is_alive() for p in procs.values()) and q.empty():
+                break
+    for r, p in procs.items():
+        p.join(timeout=5)
+        if p.is_alive():
+            p.kill()
+            p.join()
+        out = results.setdefault(r, Outcome(r, False, error="no result (hung or killed)"))
+        out.exitcode = p.exitcode
+    return [results[r] for r in ranks]
+
+
+def check(outcomes: list[Outcome]) -> list[Any]:
+    bad = [o for o in outcomes if not o.ok]
+    if bad:
+        raise AssertionError("\n".join(f"rank {o.rank} (exit {o.exitcode}): {o.error}" for o in bad))
+    return [o.value for o in outcomes]
