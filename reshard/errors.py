@@ -55,5 +55,27 @@ class RefitError(ReshardError):
         self.errors = dict(sorted(errors.items()))
         self.version = version
         head = f"refit {'v' + str(version) + ' ' if version is not None else ''}failed at step {step!r}"
-        body = "\n".join(f"  rank {r}: {msg}" for r, msg in self.errors.items())
-        super().__init__(f"{head} on {len(self.errors)} rank(s):\n{body}")
+        # Ranks that report the same thing are listed once.
+        by_message: dict[str, list[int]] = {}
+        for r, msg in self.errors.items():
+            by_message.setdefault(msg, []).append(r)
+        lines = []
+        for msg, ranks in by_message.items():
+            who = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {_span(ranks)}"
+            text = msg.replace("\n", "\n    ")
+            lines.append(f"  {who}: {text}")
+        super().__init__(f"{head} on {len(self.errors)} rank(s):\n" + "\n".join(lines))
+
+
+def _span(ranks: list[int]) -> str:
+    """``[0, 1, 2, 5]`` -> ``0-2, 5``."""
+    out = []
+    start = prev = ranks[0]
+    for r in [*ranks[1:], None]:
+        if r is not None and r == prev + 1:
+            prev = r
+            continue
+        out.append(str(start) if start == prev else f"{start}-{prev}")
+        if r is not None:
+            start = prev = r
+    return ", ".join(out)

@@ -44,6 +44,8 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
+from msgspec.structs import replace
+
 from reshard.errors import PlanError, Problem
 from reshard.plan.box import Box, chunk_range, merge_boxes
 from reshard.plan.layout import (
@@ -122,6 +124,7 @@ class LayoutSet:
         self.grids: list[GridInfo] = []
         self.grid_names: list[list[str]] = []
         self._grid_ids: dict[tuple[str, Grid], int] = {}
+        self._grid_content: dict[tuple, int] = {}
         self._publishers: list[set[int] | None] = []
         self.tensor_grids: dict[str, list[tuple[int, int]]] = defaultdict(list)
         self.tensor_slots: dict[str, list[Slot]] = defaultdict(list)
@@ -195,6 +198,16 @@ class LayoutSet:
     def _add_grid(self, digest: str | None, tensors: Sequence[TensorMeta], grid: Grid, publisher: int | None) -> None:
         key = (digest or f"direct:{len(self.grids)}", grid)
         gid = self._grid_ids.get(key)
+        if gid is None and digest is not None:
+            # Ranks whose tables differ (each holds other experts, say) still
+            # publish the same grid: match it by the tensors it names.
+            rng = grid.tensor_indices()
+            content = (tuple(tensors[rng.start : rng.stop : rng.step]), replace(grid, tensors=(0, 0, 1)))
+            gid = self._grid_content.get(content)
+            if gid is None:
+                self._grid_content[content] = len(self.grids)
+            else:
+                self._grid_ids[key] = gid
         if gid is None:
             gid = len(self.grids)
             self._grid_ids[key] = gid

@@ -20,6 +20,7 @@ fail too.
 from __future__ import annotations
 
 import concurrent.futures as cf
+import re
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -39,6 +40,7 @@ BIG_BYTES = 1 << 20
 """Transfers at least this large travel as their own message."""
 
 _ALIGN = 64
+_GLOO_SOURCE = re.compile(r"\[[^\]]*\.cc:\d+\] ")
 
 
 def _align(n: int) -> int:
@@ -114,7 +116,7 @@ def _round_staging(rnd: Round, rank: int, big_bytes: int) -> tuple[int, dict]:
 
 @dataclass(slots=True)
 class ExecStats:
-    """What one rank moved in one refit."""
+    """What one rank moved in one refit (payload bytes, without padding)."""
 
     rank: int
     bytes_sent: int = 0
@@ -251,9 +253,10 @@ class Executor:
                     recv_ops.append((arena.narrow(0, off, n), peer, msg, True))
                 else:
                     recv_ops.append((self._bytes_view(msg[0], "dst"), peer, msg, False))
+                payload = sum(t.nbytes for t in msg)
                 stats.messages_received += 1
-                stats.bytes_received += n
-                stats.recv_by_peer[peer] = stats.recv_by_peer.get(peer, 0) + n
+                stats.bytes_received += payload
+                stats.recv_by_peer[peer] = stats.recv_by_peer.get(peer, 0) + payload
         # Sends: straight from the source when it is one contiguous slice, else packed.
         packed: set[tuple] = set()
         for peer in sorted(rnd.sends):
@@ -283,9 +286,10 @@ class Executor:
                     else:
                         buf = self._bytes_view(t, "src")
                 send_ops.append((buf, peer))
+                payload = sum(t.nbytes for t in msg)
                 stats.messages_sent += 1
-                stats.bytes_sent += n
-                stats.send_by_peer[peer] = stats.send_by_peer.get(peer, 0) + n
+                stats.bytes_sent += payload
+                stats.send_by_peer[peer] = stats.send_by_peer.get(peer, 0) + payload
         if recv_ops or send_ops:
             self._exchange([(b, p) for b, p, _, _ in recv_ops], send_ops)
         # Unpack staged receives.
@@ -339,13 +343,17 @@ class Executor:
             except cf.TimeoutError:
                 pass
             except Exception as e:
-                raise RefitError("transfer", {self.plan.rank: f"transfer failed: {e}"}, version=self.refit) from e
+                peers = sorted({p for _, p in recvs} | {p for _, p in sends})
+                text = _GLOO_SOURCE.sub("", str(e).split(". This is typically")[0])
+                raise RefitError(
+                    "transfer", {self.plan.rank: f"{text} (while exchanging with ranks {peers})"}, version=self.refit
+                ) from e
             now = time.monotonic()
             if now >= next_check:
                 next_check = now + 0.25
                 msg = group.aborted(self.refit)
                 if msg is not None:
-                    raise RefitError("transfer", {self.plan.rank: f"aborted: {msg}"}, version=self.refit)
+                    raise RefitError("transfer", {self.plan.rank: f"stopped: {msg}"}, version=self.refit)
             if now >= deadline:
                 raise RefitError(
                     "transfer",

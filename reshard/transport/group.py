@@ -227,17 +227,18 @@ class RefitGroup:
             return f"the refit store is unreachable: {e}"
         return None
 
-    def agree(self, step: str, refit: int, status: wire.Status) -> list[wire.Status]:
+    def agree(self, step: str, refit: int, status: wire.Status, *, timeout_s: float | None = None) -> list[wire.Status]:
         """Post this rank's status for ``step`` and return every rank's.
 
         Raises :class:`RefitError` on every rank if any rank reported an error,
-        if a rank does not report within the timeout, or if the refit was
-        aborted; otherwise returns all statuses (ordered by rank).
+        or if a rank does not report within ``timeout_s`` (default: the group's
+        timeout); otherwise returns all statuses (ordered by rank).
         """
         prefix = f"status/{refit}/{step}"
         self.store.set(f"{prefix}/{self.rank}", wire.encode(status))
         keys = [f"{prefix}/{r}" for r in range(self.world_size)]
-        missing = self._wait_keys(keys, time.monotonic() + self.config.timeout_s)
+        wait = self.config.timeout_s if timeout_s is None else timeout_s
+        missing = self._wait_keys(keys, time.monotonic() + wait)
         present = [k for k in keys if k not in missing]
         statuses: list[wire.Status] = []
         for v in self.store.multi_get(present) if present else []:
@@ -247,13 +248,12 @@ class RefitGroup:
         errors: dict[int, str] = {}
         for s in statuses:
             if not s.ok:
-                text = s.error
-                if s.problems:
-                    text = (text + "\n" if text else "") + "\n".join(f"      {p}" for p in s.problems)
-                errors[s.rank] = text
+                lines = [s.error] if s.error else []
+                lines += [str(p) for p in s.problems]
+                errors[s.rank] = "\n".join(lines)
         for k in missing:
             errors[int(k.rsplit("/", 1)[1])] = (
-                f"did not report step {step!r} within {self.config.timeout_s}s (dead, hung, or never started)"
+                f"did not report step {step!r} within {wait:g}s (dead, hung, or never started)"
             )
         if errors:
             raise RefitError(step, errors, version=refit)

@@ -13,7 +13,7 @@ Shared by :class:`reshard.Sender` (trainer ranks) and
       busiest round needs more staging than the budget, every rank replans
       with smaller rounds (a deterministic, global decision);
    c. execute the rounds;
-   d. agree on step ``done``: every rank learns whether all ranks finished.
+   d. agree on step ``transfer``: every rank learns whether all ranks finished.
 3. ``close()``.
 """
 
@@ -37,6 +37,8 @@ if TYPE_CHECKING:
 __all__ = ["RefitSession", "RefitStats"]
 
 DEFAULT_BUDGET_BYTES = 256 << 20
+ABORT_GRACE_S = 10.0
+"""After an abort, how long to wait for the other ranks' final status."""
 
 
 @dataclass(slots=True)
@@ -239,20 +241,30 @@ class RefitSession:
                 refit=refit,
             )
             ex_stats = ex.run()
-        except Exception as e:
-            error = str(e)
+        except RefitError as e:
+            error = e.errors.get(self.rank, str(e))
             group.signal_abort(refit, error)
-        # d. agree on the outcome.
+        except Exception as e:
+            error = f"{type(e).__name__}: {e}"
+            group.signal_abort(refit, error)
+        # d. agree on the outcome. After an abort every live rank reaches this
+        # point within a few polls, so ranks still missing are dead: wait less.
         ta = time.perf_counter()
+        grace = min(self.config.timeout_s, ABORT_GRACE_S) if error or group.aborted(refit) else None
         try:
-            group.agree("done", refit, wire.Status(rank=self.rank, step="done", refit=refit, ok=not error, error=error))
+            group.agree(
+                "transfer",
+                refit,
+                wire.Status(rank=self.rank, step="transfer", refit=refit, ok=not error, error=error),
+                timeout_s=grace,
+            )
         except RefitError:
             # The group's connections may be half-used: it cannot carry another refit.
             self.close()
             raise
         agree_s += time.perf_counter() - ta
         self.last_refit = refit
-        group.forget(refit - 1, ("plan", "done"))
+        group.forget(refit - 1, ("plan", "transfer"))
         assert ex_stats is not None
         return RefitStats(
             refit=refit,
