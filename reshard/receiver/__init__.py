@@ -82,6 +82,7 @@ class Receiver:
         self,
         refit: int,
         *,
+        method: str = "reshard",
         destinations: Mapping[str, torch.Tensor] | None = None,
         after_round: Callable[[int], None] | None = None,
         before_transfer: Callable[[RankPlan], None] | None = None,
@@ -89,7 +90,12 @@ class Receiver:
         """Receive refit number ``refit``. ``destinations`` overrides the
         tensors to write into for this refit; ``before_transfer(plan)`` runs
         once every rank agreed to go ahead, before the first byte moves;
-        ``after_round(i)`` after each round of this rank."""
+        ``after_round(i)`` after each round of this rank. ``method``:
+        ``reshard``, or ``gather_broadcast`` (the baseline)."""
+        if method == "gather_broadcast":
+            return self.session.refit_baseline(refit, destinations=destinations)
+        if method != "reshard":
+            raise ValueError(f"unknown refit method {method!r}; use 'reshard' or 'gather_broadcast'")
         return self.session.refit(
             refit, destinations=destinations, after_round=after_round, before_transfer=before_transfer
         )

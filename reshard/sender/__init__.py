@@ -131,14 +131,22 @@ class Sender:
         """Join the refit group now (``push`` does it on first use)."""
         self.session.connect()
 
-    def push(self, refit: int, *, after_round: Callable[[int], None] | None = None) -> RefitStats:
-        """Send refit number ``refit`` (collective with every refit rank);
-        ``after_round(i)`` runs after each round of this rank."""
+    def push(
+        self, refit: int, *, method: str = "reshard", after_round: Callable[[int], None] | None = None
+    ) -> RefitStats:
+        """Send refit number ``refit`` (collective with every refit rank).
+
+        ``method``: ``reshard``, or ``gather_broadcast`` (the baseline; every
+        rank must pick the same). ``after_round(i)`` runs after each round."""
         if self._describe is not None:
             # Local shards are re-read each time: a trainer may have replaced them.
             _, _, tensors = self._describe()
             _check_locals(self.layout, tensors)
             self.session.tensors = tensors
+        if method == "gather_broadcast":
+            return self.session.refit_baseline(refit)
+        if method != "reshard":
+            raise ValueError(f"unknown refit method {method!r}; use 'reshard' or 'gather_broadcast'")
         return self.session.refit(refit, after_round=after_round)
 
     def close(self) -> None:

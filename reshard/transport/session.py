@@ -96,6 +96,8 @@ class RefitSession:
         self._plan_round_bytes = 0
         self.last_refit = 0
         self._layouts: dict[int, Layout] = {}
+        self.extra_groups: dict[int, object] = {}
+        """Process groups that live as long as the refit group (the baseline's broadcast groups)."""
 
     @property
     def is_source(self) -> bool:
@@ -276,9 +278,36 @@ class RefitSession:
             round_bytes=self.round_bytes,
         )
 
+    def refit_baseline(
+        self, refit: int, *, destinations: Mapping[str, torch.Tensor] | None = None, bucket_bytes: int | None = None
+    ) -> RefitStats:
+        """Refit ``refit`` by gather-and-broadcast (see :mod:`reshard.baseline`)."""
+        from reshard.baseline import gather_broadcast
+
+        if refit <= self.last_refit:
+            raise ValueError(f"refit {refit} is not newer than the last one ({self.last_refit})")
+        t0 = time.perf_counter()
+        saved = self.tensors
+        if destinations is not None:
+            self.tensors = destinations
+        try:
+            ex = gather_broadcast(self, refit, bucket_bytes=bucket_bytes or self.budget_bytes)
+        finally:
+            self.tensors = saved
+        return RefitStats(
+            refit=refit,
+            rank=self.rank,
+            exec=ex,
+            plan_seconds=0.0,
+            agree_seconds=0.0,
+            total_seconds=time.perf_counter() - t0,
+            round_bytes=bucket_bytes or self.budget_bytes,
+        )
+
     # -- 3. close ---------------------------------------------------------------
 
     def close(self) -> None:
+        self.extra_groups.clear()
         if self.group is not None:
             self.group.close()
             self.group = None

@@ -1,0 +1,272 @@
+"""Gather-and-broadcast: the refit most RL frameworks and vLLM's ``nccl``
+backend do, behind the same Sender/Receiver interface, so that every
+benchmark shows it next to reshard from one run.
+
+For each bucket of tensors (canonical order, at most ``bucket_bytes``; a
+bigger tensor is cut into row blocks): the bucket's *root*, the first
+trainer rank that holds part of its tensors (the first rank of the pipeline
+stage), gathers the full tensors from the ranks that hold their pieces; then
+it broadcasts the bucket to every engine worker with a broadcast collective
+over a process group of the root and the engine workers; each engine worker
+copies out the slices it keeps and drops the rest.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from reshard.errors import PlanError, Problem, RefitError
+from reshard.plan.box import Box
+from reshard.plan.layout import Slot, TensorMeta
+from reshard.plan.planner import LayoutSet
+from reshard.transport import wire
+from reshard.transport.execute import ExecStats, _align
+
+if TYPE_CHECKING:
+    import torch
+
+    from reshard.transport.session import RefitSession
+
+__all__ = ["DEFAULT_BUCKET_BYTES", "gather_broadcast"]
+
+DEFAULT_BUCKET_BYTES = 256 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class _Item:
+    """Rows ``[lo, hi)`` of one tensor at ``offset`` in its bucket."""
+
+    meta: TensorMeta
+    lo: int
+    hi: int
+    offset: int
+
+    @property
+    def box(self) -> Box:
+        if not self.meta.shape:
+            return Box((), ())
+        return Box((self.lo,) + (0,) * (len(self.meta.shape) - 1), (self.hi - self.lo, *self.meta.shape[1:]))
+
+    @property
+    def nbytes(self) -> int:
+        return self.box.numel * (self.meta.nbytes // max(1, _numel(self.meta.shape)))
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def _slots(ls: LayoutSet, name: str) -> list[Slot]:
+    """Every slot of a tensor on one side, grids expanded (all ranks)."""
+    meta = ls.metas[name]
+    out = list(ls.tensor_slots.get(name, ()))
+    for gid, pos in ls.tensor_grids.get(name, ()):
+        info = ls.grids[gid]
+        for r, c in zip(info.ranks, info.coords, strict=True):
+            s = info.slot(meta, pos, r, c)
+            if not s.box.is_empty():
+                out.append(s)
+    return out
+
+
+def _buckets(order, roots: dict[str, int], bucket_bytes: int) -> list[tuple[int, list[_Item]]]:
+    """(root, items) per bucket, in canonical order."""
+    out: list[tuple[int, list[_Item]]] = []
+    cur: list[_Item] = []
+    cur_root = -1
+    fill = 0
+    for meta in order:
+        root = roots[meta.name]
+        rows = meta.shape[0] if meta.shape else 1
+        row_bytes = meta.nbytes // rows if rows else 0
+        step = max(1, bucket_bytes // row_bytes) if row_bytes else rows
+        for lo in range(0, rows, step):
+            hi = min(rows, lo + step)
+            n = _align((hi - lo) * row_bytes)
+            if cur and (root != cur_root or fill + n > bucket_bytes):
+                out.append((cur_root, cur))
+                cur, fill = [], 0
+            cur_root = root
+            cur.append(_Item(meta, lo, hi, fill))
+            fill += n
+    if cur:
+        out.append((cur_root, cur))
+    return out
+
+
+def gather_broadcast(session: RefitSession, refit: int, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> ExecStats:
+    """Run one gather-and-broadcast refit on ``session``'s group (collective)."""
+    import torch
+    from torch.distributed import BroadcastOptions
+
+    if session.group is None:
+        session.connect()
+    group = session.group
+    assert group is not None
+    planner = session._planner()
+    sources, dests = planner.sources, planner.dests
+    rank = session.rank
+    # Same validation as reshard's plan, agreed by every rank before any byte moves.
+    problems: tuple[Problem, ...] = ()
+    try:
+        planner.check(rank)
+    except PlanError as e:
+        problems = tuple(e.problems)
+    group.agree("plan", refit, wire.Status(rank=rank, step="plan", refit=refit, ok=not problems, problems=problems))
+
+    stats = ExecStats(rank=rank)
+    t0 = time.perf_counter()
+    src_slots = {m.name: _slots(sources, m.name) for m in planner.order}
+    roots = {name: min(s.rank for s in slots) for name, slots in src_slots.items()}
+    buckets = _buckets(planner.order, roots, bucket_bytes)
+    engines = list(range(session.config.num_sources, session.config.world_size))
+    dst_mine: dict[str, list[Slot]] = defaultdict(list)
+    if not session.is_source:
+        for m in planner.order:
+            dst_mine[m.name] = [s for s in _slots(dests, m.name) if s.rank == rank]
+    device = torch.device(session.device)
+    # Broadcast groups live as long as the refit group (one per root).
+    pgs = session.extra_groups
+    error = ""
+    try:
+        for root, items in buckets:
+            size = items[-1].offset + _align(items[-1].nbytes)
+            member = rank == root or not session.is_source
+            if not member and all(not _holds(src_slots[it.meta.name], rank, it) for it in items):
+                continue
+            buf = torch.empty(size, dtype=torch.uint8, device=device) if member else None
+            stats.peak_staging_bytes = max(stats.peak_staging_bytes, size if member else 0)
+            _gather(session, root, items, src_slots, buf, stats)
+            if member:
+                assert buf is not None
+                pg = pgs.get(root)
+                if pg is None:
+                    pg = pgs[root] = _broadcast_group(session, root, engines)
+                opts = BroadcastOptions()
+                opts.rootRank = 0
+                pg.broadcast([buf], opts).wait()  # type: ignore[attr-defined]
+                payload = sum(it.nbytes for it in items)
+                if not session.is_source:
+                    stats.bytes_received += payload
+                    stats.messages_received += 1
+                    _unpack(session, items, buf, dst_mine)
+                elif rank == root:
+                    stats.bytes_sent += payload * len(engines)
+            stats.rounds += 1
+    except Exception as e:
+        error = f"{type(e).__name__}: {e}"
+        group.signal_abort(refit, error)
+    stats.seconds = time.perf_counter() - t0
+    try:
+        group.agree("transfer", refit, wire.Status(rank=rank, step="transfer", refit=refit, ok=not error, error=error))
+    except RefitError:
+        session.close()
+        raise
+    session.last_refit = refit
+    return stats
+
+
+def _holds(slots: list[Slot], rank: int, item: _Item) -> bool:
+    box = item.box
+    return any(s.rank == rank and s.box.intersect(box) is not None for s in slots)
+
+
+def _gather(session: RefitSession, root: int, items: list[_Item], src_slots, buf, stats: ExecStats) -> None:
+    """Every bucket piece goes from its lowest-ranked holder to the root."""
+    import torch
+
+    from reshard.transport.execute import Executor
+
+    group = session.group
+    assert group is not None
+    rank = session.rank
+    works = []
+    keep = []
+    for it in items:
+        box = it.box
+        taken: list[Box] = []
+        for s in sorted(src_slots[it.meta.name], key=lambda x: x.rank):
+            part = s.box.intersect(box)
+            if part is None or any(t == part for t in taken):
+                continue
+            taken.append(part)
+            if rank not in (s.rank, root):
+                continue
+            dtype = getattr(torch, it.meta.dtype)
+            if rank == s.rank:
+                src = Executor._view(session.tensors[s.local], s, part)
+            if rank == root:
+                assert buf is not None
+                whole = buf.narrow(0, it.offset, it.nbytes).view(dtype).view(box.sizes)
+                dst = whole[
+                    tuple(
+                        slice(o - b, o - b + n) for o, b, n in zip(part.offsets, box.offsets, part.sizes, strict=True)
+                    )
+                ]
+                if s.rank == root:
+                    dst.copy_(src)
+                    continue
+                tmp = torch.empty(part.sizes, dtype=dtype, device=buf.device)
+                works.append(group.pg.recv([tmp.view(-1).view(torch.uint8)], s.rank, 0))
+                keep.append((dst, tmp))
+            else:
+                packed = src.contiguous()
+                works.append(group.pg.send([packed.view(-1).view(torch.uint8)], root, 0))
+                keep.append((None, packed))
+                stats.bytes_sent += packed.numel() * packed.element_size()
+    for w in works:
+        w.wait()
+    for dst, tmp in keep:
+        if dst is not None:
+            dst.copy_(tmp)
+            stats.bytes_received += tmp.numel() * tmp.element_size()
+
+
+def _broadcast_group(session: RefitSession, root: int, engines: list[int]) -> object:
+    import datetime
+
+    from torch.distributed import PrefixStore, ProcessGroupGloo
+
+    group = session.group
+    assert group is not None
+    members = [root, *engines]
+    store = PrefixStore(f"bcast/{root}", group.store)
+    timeout = datetime.timedelta(seconds=session.config.timeout_s)
+    if group.backend == "gloo":
+        opts = ProcessGroupGloo._Options()  # type: ignore[attr-defined]
+        opts._timeout = timeout
+        opts._devices = [ProcessGroupGloo.create_default_device()]
+        return ProcessGroupGloo(store, members.index(session.rank), len(members), opts)
+    from torch.distributed import ProcessGroupNCCL
+
+    opts = ProcessGroupNCCL.Options()
+    opts._timeout = timeout
+    return ProcessGroupNCCL(store, members.index(session.rank), len(members), opts)
+
+
+def _unpack(session: RefitSession, items: list[_Item], buf, dst_mine: dict[str, list[Slot]]) -> None:
+    """Keep the slices this engine worker needs; drop the rest of the bucket."""
+    import torch
+
+    from reshard.transport.execute import Executor
+
+    for it in items:
+        box = it.box
+        dtype = getattr(torch, it.meta.dtype)
+        whole = None
+        for s in dst_mine.get(it.meta.name, ()):
+            part = s.box.intersect(box)
+            if part is None:
+                continue
+            if whole is None:
+                whole = buf.narrow(0, it.offset, it.nbytes).view(dtype).view(box.sizes)
+            src = whole[
+                tuple(slice(o - b, o - b + n) for o, b, n in zip(part.offsets, box.offsets, part.sizes, strict=True))
+            ]
+            Executor._view(session.tensors[s.local], s, part).copy_(src)
