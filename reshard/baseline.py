@@ -26,8 +26,6 @@ from reshard.transport import wire
 from reshard.transport.execute import ExecStats, _align
 
 if TYPE_CHECKING:
-    import torch
-
     from reshard.transport.session import RefitSession
 
 __all__ = ["DEFAULT_BUCKET_BYTES", "gather_broadcast"]

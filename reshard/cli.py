@@ -43,10 +43,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--round-mib", type=int, default=128, help="tensor data per round (MiB)")
     p.set_defaults(func=_plan)
+    sub.add_parser("bench", help="reshard vs gather-and-broadcast on this machine (see reshard bench --help)")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "bench":
+        from reshard.bench import main as bench_main
+
+        return bench_main(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     try:

@@ -80,12 +80,13 @@ def _is_contiguous_slice(slot, box) -> bool:
     return True
 
 
-def staging_need(plan: RankPlan, big_bytes: int = BIG_BYTES) -> int:
-    """Staging bytes of the busiest round of ``plan`` (what the arena must hold)."""
+def staging_need(plan: RankPlan, big_bytes: int = BIG_BYTES, *, pipelined: bool = True) -> int:
+    """Staging bytes ``plan`` needs: the busiest round's, twice when rounds are
+    pipelined (two rounds in flight use alternate halves of the arena)."""
     need = 0
     for rnd in plan.rounds:
         need = max(need, _round_staging(rnd, plan.rank, big_bytes)[0])
-    return need
+    return 2 * need if pipelined and len(plan.rounds) > 1 else need
 
 
 def _round_staging(rnd: Round, rank: int, big_bytes: int) -> tuple[int, dict]:
@@ -112,6 +113,16 @@ def _round_staging(rnd: Round, rank: int, big_bytes: int) -> tuple[int, dict]:
             if len(msg) > 1 or msg[0].nbytes < big_bytes or not _is_contiguous_slice(msg[0].dst, msg[0].box):
                 take(("recv", peer, i), packed_size(msg))
     return total, offsets
+
+
+@dataclass(slots=True)
+class _Pending:
+    """A round whose messages are posted but not yet waited on."""
+
+    round: Round
+    recv_ops: list
+    works: list
+    staging: int
 
 
 @dataclass(slots=True)
@@ -224,22 +235,55 @@ class Executor:
     # -- running -------------------------------------------------------------
 
     def run(self) -> ExecStats:
+        """Run every round. Round ``k+1`` is posted before round ``k`` is waited
+        on (its packing overlaps round ``k``'s bytes on the wire), unless it
+        forwards what round ``k`` brings; rounds use alternate halves of the
+        arena."""
         stats = ExecStats(rank=self.plan.rank)
         t0 = time.perf_counter()
+        half = staging_need(self.plan, self.big_bytes, pipelined=False)
+        pending: _Pending | None = None
         try:
-            for rnd in self.plan.rounds:
-                self._run_round(rnd, stats)
-                stats.rounds += 1
-                if self.after_round is not None:
-                    self.after_round(rnd.index)
+            for k, rnd in enumerate(self.plan.rounds):
+                if pending is not None and any(t.kind == "fwd" for ts in rnd.sends.values() for t in ts):
+                    self._finish(pending, stats)
+                    pending = None
+                started = self._start(rnd, stats, base=(k % 2) * half)
+                in_flight = started.staging + (pending.staging if pending is not None else 0)
+                stats.peak_staging_bytes = max(stats.peak_staging_bytes, in_flight)
+                if pending is not None:
+                    self._finish(pending, stats)
+                pending = started
+            if pending is not None:
+                self._finish(pending, stats)
         finally:
             self._pool.shutdown(wait=False, cancel_futures=True)
         stats.seconds = time.perf_counter() - t0
         return stats
 
-    def _run_round(self, rnd: Round, stats: ExecStats) -> None:
+    def _finish(self, p: _Pending, stats: ExecStats) -> None:
+        self._wait(p)
+        # Unpack staged receives.
+        for buf, _peer, _i, msg, staged in p.recv_ops:
+            if not staged:
+                continue
+            pos = 0
+            for t in msg:
+                dst = self._view(self._tensor(t, "dst"), t.dst, t.box)
+                dst.copy_(buf.narrow(0, pos, t.nbytes).view(dst.dtype).view(t.box.sizes))
+                pos += _align(t.nbytes) if len(msg) > 1 else t.nbytes
+        for t in p.round.copies:
+            src = self._view(self._tensor(t, "src"), t.src, t.box)
+            dst = self._view(self._tensor(t, "dst"), t.dst, t.box)
+            dst.copy_(src)
+            stats.bytes_copied += t.nbytes
+        stats.rounds += 1
+        if self.after_round is not None:
+            self.after_round(p.round.index)
+
+    def _start(self, rnd: Round, stats: ExecStats, base: int) -> _Pending:
         staging_bytes, offsets = _round_staging(rnd, self.plan.rank, self.big_bytes)
-        stats.peak_staging_bytes = max(stats.peak_staging_bytes, staging_bytes)
+        offsets = {k: v + base for k, v in offsets.items()}
         arena = self._arena
         recv_ops: list[tuple] = []
         send_ops: list[tuple] = []
@@ -250,66 +294,74 @@ class Executor:
                 off = offsets.get(("recv", peer, i))
                 if off is not None:
                     assert arena is not None
-                    recv_ops.append((arena.narrow(0, off, n), peer, msg, True))
+                    recv_ops.append((arena.narrow(0, off, n), peer, i, msg, True))
                 else:
-                    recv_ops.append((self._bytes_view(msg[0], "dst"), peer, msg, False))
+                    recv_ops.append((self._bytes_view(msg[0], "dst"), peer, i, msg, False))
                 payload = sum(t.nbytes for t in msg)
                 stats.messages_received += 1
                 stats.bytes_received += payload
                 stats.recv_by_peer[peer] = stats.recv_by_peer.get(peer, 0) + payload
-        # Sends: straight from the source when it is one contiguous slice, else packed.
+        # Sends: straight from the source when it is one contiguous slice, else
+        # packed. Packing is deferred until the send is posted, and zero-copy
+        # sends go first, so packing overlaps with bytes already on the wire.
         packed: set[tuple] = set()
         for peer in sorted(rnd.sends):
             for i, msg in enumerate(messages(rnd.sends[peer], self.big_bytes)):
                 n = packed_size(msg)
                 off = offsets.get(("send", peer, i))
                 if off is not None:
-                    assert arena is not None
-                    pos = off
-                    for t in msg:
-                        src = self._view(self._tensor(t, "src"), t.src, t.box)
-                        arena.narrow(0, pos, t.nbytes).view(src.dtype).view(t.box.sizes).copy_(src)
-                        pos += _align(t.nbytes) if len(msg) > 1 else t.nbytes
-                    buf = arena.narrow(0, off, n)
+                    send_ops.append((1, peer, i, self._packer(msg, off, n)))
                 else:
                     t = msg[0]
                     skey = ("slice", t.kind, t.src.local, t.src.offset, t.box)
                     soff = offsets.get(skey)
                     if soff is not None:
-                        # Non-contiguous big slice: packed once, sent to every peer that gets it.
-                        assert arena is not None
-                        buf = arena.narrow(0, soff, n)
-                        if skey not in packed:
-                            src = self._view(self._tensor(t, "src"), t.src, t.box)
-                            buf.view(src.dtype).view(t.box.sizes).copy_(src)
-                            packed.add(skey)
+                        send_ops.append((1, peer, i, self._slice_packer(t, soff, skey, packed)))
                     else:
                         buf = self._bytes_view(t, "src")
-                send_ops.append((buf, peer))
+                        send_ops.append((0, peer, i, lambda buf=buf: buf))
                 payload = sum(t.nbytes for t in msg)
                 stats.messages_sent += 1
                 stats.bytes_sent += payload
                 stats.send_by_peer[peer] = stats.send_by_peer.get(peer, 0) + payload
-        if recv_ops or send_ops:
-            self._exchange([(b, p) for b, p, _, _ in recv_ops], send_ops)
-        # Unpack staged receives.
-        for buf, _peer, msg, staged in recv_ops:
-            if not staged:
-                continue
-            pos = 0
-            for t in msg:
-                dst = self._view(self._tensor(t, "dst"), t.dst, t.box)
-                dst.copy_(buf.narrow(0, pos, t.nbytes).view(dst.dtype).view(t.box.sizes))
-                pos += _align(t.nbytes) if len(msg) > 1 else t.nbytes
-        for t in rnd.copies:
-            src = self._view(self._tensor(t, "src"), t.src, t.box)
-            dst = self._view(self._tensor(t, "dst"), t.dst, t.box)
-            dst.copy_(src)
-            stats.bytes_copied += t.nbytes
+        if self.group.backend != "nccl":
+            # Messages carry their index as tag, so gloo matches them in any order.
+            send_ops.sort(key=lambda x: x[0])
+        works = self._post([(b, p, i) for b, p, i, _, _ in recv_ops], [(p, i, make) for _, p, i, make in send_ops])
+        return _Pending(rnd, recv_ops, works, staging_bytes)
 
-    def _exchange(self, recvs: list, sends: list) -> None:
-        """Post a round's receives and sends together and wait for all of them,
-        watching the store for an abort and the clock for the timeout."""
+    def _packer(self, msg: list[Transfer], off: int, n: int) -> Callable[[], torch.Tensor]:
+        def pack() -> torch.Tensor:
+            arena = self._arena
+            assert arena is not None
+            pos = off
+            for t in msg:
+                src = self._view(self._tensor(t, "src"), t.src, t.box)
+                arena.narrow(0, pos, t.nbytes).view(src.dtype).view(t.box.sizes).copy_(src)
+                pos += _align(t.nbytes) if len(msg) > 1 else t.nbytes
+            return arena.narrow(0, off, n)
+
+        return pack
+
+    def _slice_packer(self, t: Transfer, off: int, key: tuple, packed: set) -> Callable[[], torch.Tensor]:
+        """A non-contiguous big slice, packed once for every peer that gets it."""
+
+        def pack() -> torch.Tensor:
+            arena = self._arena
+            assert arena is not None
+            buf = arena.narrow(0, off, t.nbytes)
+            if key not in packed:
+                src = self._view(self._tensor(t, "src"), t.src, t.box)
+                buf.view(src.dtype).view(t.box.sizes).copy_(src)
+                packed.add(key)
+            return buf
+
+        return pack
+
+    def _post(self, recvs: list, sends: list) -> list:
+        """Post one round's receives and sends (one NCCL group)."""
+        if not recvs and not sends:
+            return []
         group = self.group
         pg = group.pg
         if pg is None:
@@ -317,13 +369,24 @@ class Executor:
         nccl = group.backend == "nccl"
         works = []
         if nccl:
-            pg._start_coalescing(self.device)  # type: ignore[attr-defined]
-        for buf, peer in recvs:
-            works.append(pg.recv([buf], peer, 0))  # type: ignore[attr-defined]
-        for buf, peer in sends:
-            works.append(pg.send([buf], peer, 0))  # type: ignore[attr-defined]
+            pg._start_coalescing(self.device)
+        for buf, peer, tag in recvs:
+            works.append(pg.recv([buf], peer, tag))
+        for peer, tag, make in sends:
+            works.append(pg.send([make()], peer, tag))
         if nccl:
-            works = [pg._end_coalescing(self.device)]  # type: ignore[attr-defined]
+            works = [pg._end_coalescing(self.device)]
+        return works
+
+    def _wait(self, p: _Pending) -> None:
+        """Wait for a round's messages, watching the store for an abort and the
+        clock for the timeout (the wait itself runs in a helper thread)."""
+        if not p.works:
+            return
+        group = self.group
+        nccl = group.backend == "nccl"
+        works = p.works
+        peers = sorted({x[1] for x in p.recv_ops} | set(p.round.sends))
 
         def wait_all() -> None:
             for w in works:
@@ -343,7 +406,6 @@ class Executor:
             except cf.TimeoutError:
                 pass
             except Exception as e:
-                peers = sorted({p for _, p in recvs} | {p for _, p in sends})
                 text = _GLOO_SOURCE.sub("", str(e).split(". This is typically")[0])
                 raise RefitError(
                     "transfer", {self.plan.rank: f"{text} (while exchanging with ranks {peers})"}, version=self.refit

@@ -39,7 +39,7 @@ if TYPE_CHECKING:
 
 __all__ = ["GroupConfig", "RefitGroup"]
 
-_POLL_S = 0.02
+_WAIT_SLICE_S = 0.5
 
 
 @dataclass(kw_only=True, slots=True)
@@ -196,13 +196,18 @@ class RefitGroup:
         """
         store = self.store
         while True:
-            if store.check(keys):
+            # The store wakes us as soon as the keys exist; the slice bounds
+            # how late we notice an abort or the deadline.
+            left = deadline - time.monotonic()
+            try:
+                store.wait(keys, datetime.timedelta(seconds=max(0.001, min(_WAIT_SLICE_S, left))))
                 return []
+            except Exception:
+                pass  # not all there yet: time out of this slice
             if abort_key is not None and store.check([abort_key]):
                 raise self._aborted(abort_key)
             if time.monotonic() >= deadline:
                 return [k for k in keys if not store.check([k])]
-            time.sleep(_POLL_S)
 
     def _aborted(self, abort_key: str) -> RefitError:
         msg = bytes(self.store.get(abort_key)).decode(errors="replace")

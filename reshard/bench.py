@@ -1,0 +1,379 @@
+"""``reshard bench``: reshard and gather-and-broadcast, measured in one run.
+
+Starts trainer and engine-worker processes on this machine (gloo over
+loopback), builds a synthetic Llama-style model (bf16), lays it out as an
+FSDP2 trainer (``Shard(0)`` over the trainer ranks) and as vLLM workers
+(fused ``qkv_proj`` and ``gate_up_proj``, vocab padding, column and row
+parallel layers, from :mod:`reshard.plan.rules`), then runs both methods
+after a warm-up, several times, alternating. Every destination slice is
+compared bit for bit with the source model. In the same run it times a
+plain point-to-point transfer of the same volume between two processes
+(``raw_p2p``), the bandwidth a perfect refit would reach.
+
+Cases: ``default`` (trainer fsdp=2, one engine tp=2) and ``replicas``
+(trainer fsdp=2, two engine replicas tp=2 in one NVLink-like domain, so one
+leader pulls each slice across and forwards it to the other replica).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import socket
+import statistics
+import time
+import traceback
+import zlib
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["BenchCase", "main", "run_bench"]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class BenchCase:
+    name: str
+    trainer_ranks: int = 2
+    engine_tp: int = 2
+    engine_dp: int = 1
+    hidden: int = 1024
+    heads: int = 8
+    kv_heads: int = 4
+    intermediate: int = 2816
+    layers: int = 12
+    vocab: int = 32000
+
+    @property
+    def config(self) -> dict[str, Any]:
+        return {
+            "model_type": "llama",
+            "hidden_size": self.hidden,
+            "num_attention_heads": self.heads,
+            "num_key_value_heads": self.kv_heads,
+            "intermediate_size": self.intermediate,
+            "num_hidden_layers": self.layers,
+            "vocab_size": self.vocab,
+            "tie_word_embeddings": False,
+        }
+
+    @property
+    def world(self) -> int:
+        return self.trainer_ranks + self.engine_tp * self.engine_dp
+
+
+CASES = {
+    "default": BenchCase(name="default"),
+    "replicas": BenchCase(name="replicas", engine_dp=2),
+}
+
+
+def _tensors(case: BenchCase):
+    from reshard.models import canonical_tensors
+
+    return tuple(canonical_tensors(case.config, dtype="bfloat16"))
+
+
+def _global(meta):
+    import torch
+
+    g = torch.Generator().manual_seed(zlib.crc32(meta.name.encode()))
+    return torch.randn(meta.shape, generator=g, dtype=torch.float32).to(torch.bfloat16)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, case: BenchCase, address: str, reps: int, warmup: int, q) -> None:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    try:
+        q.put((rank, _run_rank(rank, case, address, reps, warmup), ""))
+    except BaseException as e:  # reported to the parent
+        q.put((rank, None, f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+
+
+def _run_rank(rank: int, case: BenchCase, address: str, reps: int, warmup: int) -> dict:
+    import torch
+
+    from reshard.layouts import GridSpec
+    from reshard.plan.layout import Mesh
+    from reshard.plan.rules import EngineSpec, engine_layouts
+    from reshard.receiver import Receiver
+    from reshard.sender import Sender
+    from reshard.transport.group import GroupConfig
+
+    torch.set_num_threads(1)
+    metas = _tensors(case)
+    t = case.trainer_ranks
+    cfg = GroupConfig(
+        address=address,
+        num_sources=t,
+        num_destinations=case.engine_tp * case.engine_dp,
+        timeout_s=300,
+        host_store=False,
+        domain="trainer" if rank < t else "engine",
+    )
+    methods = ["reshard", "gather_broadcast"]
+    schedule = [m for _ in range(warmup + reps) for m in methods]
+    out: dict[str, Any] = {"rank": rank, "runs": []}
+    if rank < t:
+        mesh = Mesh(shape=(t,))
+        grids = [GridSpec(m, mesh, ((0,),) + ((),) * (len(m.shape) - 1)) for m in metas]
+        tensors = {}
+        for m in metas:
+            from reshard.plan.box import chunk_range
+
+            lo, hi = chunk_range(m.shape[0], t, rank)
+            tensors[m.name] = _global(m)[lo:hi].clone()
+        sender = Sender.from_pieces([], tensors, config=cfg, rank=rank, grids=grids)
+        for i, method in enumerate(schedule):
+            st = sender.push(i + 1, method=method)
+            out["runs"].append({"method": method, **st.as_dict()})
+        out["raw"] = _raw_p2p(sender.session, rank, t, _volume(case, metas))
+        sender.close()
+        return out
+    side = engine_layouts(metas, case.config, EngineSpec(tp=case.engine_tp, dp=case.engine_dp), base=t)
+    layout = side.layout_of(rank)
+    from reshard.plan.planner import LayoutSet
+
+    ls = LayoutSet.from_layouts("destination", [layout])
+    slots = []
+    for name, entries in ls.tensor_grids.items():
+        meta = ls.metas[name]
+        for gid, pos in entries:
+            info = ls.grids[gid]
+            for c in info.coord_of.get(rank, ()):
+                s = info.slot(meta, pos, rank, c)
+                if not s.box.is_empty():
+                    slots.append((meta, s))
+    local: dict[str, torch.Tensor] = {}
+    for _, s in slots:
+        local.setdefault(s.local, torch.zeros(s.local_shape, dtype=torch.bfloat16))
+    endpoint = Receiver(local, config=cfg, rank=rank, layout=layout)
+    correct = {m: True for m in methods}
+    for i, method in enumerate(schedule):
+        for v in local.values():
+            v.zero_()
+        st = endpoint.pull(i + 1, method=method)
+        out["runs"].append({"method": method, **st.as_dict()})
+        if i >= len(schedule) - len(methods):  # check the last run of each method
+            correct[method] = _check(local, slots)
+    out["correct"] = correct
+    out["raw"] = _raw_p2p(endpoint.session, rank, t, _volume(case, metas))
+    endpoint.close()
+    return out
+
+
+def _volume(case: BenchCase, metas) -> int:
+    """What the engine workers must receive in all: one model per replica."""
+    return sum(m.nbytes for m in metas) * case.engine_dp
+
+
+def _check(local, slots) -> bool:
+    import torch
+
+    from reshard.transport.execute import Executor
+
+    cache: dict[str, Any] = {}
+    for meta, s in slots:
+        full = cache.get(meta.name)
+        if full is None:
+            full = cache[meta.name] = _global(meta)
+        want = full[tuple(slice(o, o + n) for o, n in zip(s.box.offsets, s.box.sizes, strict=True))]
+        got = Executor._view(local[s.local], s, s.box)
+        if not torch.equal(got.view(torch.int16), want.view(torch.int16)):
+            return False
+    return True
+
+
+def _raw_p2p(session, rank: int, trainers: int, volume: int) -> dict | None:
+    """Trainer rank 0 sends ``volume`` bytes to the first engine worker: one
+    warm-up, then the fastest of three (the bandwidth a refit could reach)."""
+    import torch
+
+    pg = session.group.pg
+    engine0 = trainers
+    if rank not in (0, engine0):
+        return None
+    buf = torch.empty(volume, dtype=torch.uint8)
+    best = float("inf")
+    for i in range(4):
+        t0 = time.perf_counter()
+        if rank == 0:
+            pg.send([buf], engine0, 7).wait()
+            pg.recv([buf[:1]], engine0, 8).wait()
+        else:
+            pg.recv([buf], 0, 7).wait()
+            pg.send([buf[:1]], 0, 8).wait()
+        if i:
+            best = min(best, time.perf_counter() - t0)
+    return {"bytes": volume, "seconds": best}
+
+
+def run_bench(case: BenchCase, *, reps: int = 5, warmup: int = 1, timeout: float = 1800) -> dict[str, Any]:
+    import datetime
+
+    from torch.distributed import TCPStore
+
+    port = _free_port()
+    store = TCPStore("127.0.0.1", port, None, True, timeout=datetime.timedelta(seconds=60), wait_for_workers=False)
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    procs = [
+        ctx.Process(target=_worker, args=(r, case, f"127.0.0.1:{port}", reps, warmup, q), daemon=True)
+        for r in range(case.world)
+    ]
+    for p in procs:
+        p.start()
+    results: dict[int, dict] = {}
+    errors: list[str] = []
+    deadline = time.monotonic() + timeout
+    while len(results) + len(errors) < case.world and time.monotonic() < deadline:
+        try:
+            rank, value, err = q.get(timeout=1)
+        except Exception:
+            if not any(p.is_alive() for p in procs):
+                break
+            continue
+        if err:
+            errors.append(f"rank {rank}: {err}")
+        else:
+            results[rank] = value
+    for p in procs:
+        p.join(timeout=10)
+        if p.is_alive():
+            p.kill()
+    del store
+    if errors or len(results) < case.world:
+        raise RuntimeError("bench failed:\n" + "\n".join(errors or ["processes did not report"]))
+    return _summarize(case, results, reps, warmup)
+
+
+def _summarize(case: BenchCase, results: dict[int, dict], reps: int, warmup: int) -> dict[str, Any]:
+    t = case.trainer_ranks
+    engines = [r for r in results if r >= t]
+    methods: dict[str, Any] = {}
+    for method in ("reshard", "gather_broadcast"):
+        per_run: list[float] = []
+        n_runs = len(results[0]["runs"])
+        for i in range(n_runs):
+            runs = [results[r]["runs"][i] for r in results]
+            if runs[0]["method"] != method or i // 2 < warmup:
+                continue
+            per_run.append(max(x["total_seconds"] for x in runs))
+        last = {r: next(x for x in reversed(results[r]["runs"]) if x["method"] == method) for r in results}
+        recv = {r: last[r]["bytes_received"] for r in engines}
+        methods[method] = {
+            "seconds_median": statistics.median(per_run),
+            "seconds_all": per_run,
+            "bytes_received_total": sum(recv.values()),
+            "max_rank_recv_bytes": max(recv.values()),
+            "max_rank_send_bytes": max(last[r]["bytes_sent"] for r in results),
+            "peak_staging_bytes": max(last[r]["peak_staging_bytes"] for r in results),
+            "correct": all(results[r]["correct"][method] for r in engines),
+        }
+    raw = results[t]["raw"]
+    raw_gbps = raw["bytes"] * 8 / raw["seconds"] / 1e9
+    model_bytes = sum(m.nbytes for m in _tensors(case))
+    # Useful throughput: the bytes engine workers keep, over each method's time.
+    volume = raw["bytes"]
+    r = methods["reshard"]
+    r["throughput_gbps"] = volume * 8 / r["seconds_median"] / 1e9
+    g = methods["gather_broadcast"]
+    g["throughput_gbps"] = volume * 8 / g["seconds_median"] / 1e9
+    return {
+        "case": case.name,
+        "trainer": f"fsdp={t}",
+        "engine": f"tp={case.engine_tp},dp={case.engine_dp}",
+        "model_bytes": model_bytes,
+        "reps": reps,
+        "warmup": warmup,
+        "method": methods,
+        "raw_p2p_gbps": raw_gbps,
+        "raw_p2p_seconds": raw["seconds"],
+        "raw_p2p_bytes": raw["bytes"],
+        "reshard_vs_raw": r["throughput_gbps"] / raw_gbps,
+        "speedup": g["seconds_median"] / r["seconds_median"],
+    }
+
+
+def format_result(res: dict[str, Any]) -> str:
+    lines = [
+        f"case {res['case']}: trainer {res['trainer']} -> engine {res['engine']}, "
+        f"model {res['model_bytes'] / 1e6:.0f} MB (bf16), {res['reps']} runs after {res['warmup']} warm-up",
+        f"{'method':<18}{'median s':>10}{'Gb/s':>8}{'recv total MB':>15}{'max recv MB':>13}{'staging MB':>12}"
+        f"{'correct':>9}",
+    ]
+    for name, m in res["method"].items():
+        lines.append(
+            f"{name:<18}{m['seconds_median']:>10.3f}{m['throughput_gbps']:>8.2f}"
+            f"{m['bytes_received_total'] / 1e6:>15.1f}{m['max_rank_recv_bytes'] / 1e6:>13.1f}"
+            f"{m['peak_staging_bytes'] / 1e6:>12.2f}{m['correct']!s:>9}"
+        )
+    lines.append(
+        f"raw point-to-point, same volume ({res['raw_p2p_bytes'] / 1e6:.0f} MB): {res['raw_p2p_gbps']:.2f} Gb/s "
+        f"({res['raw_p2p_seconds']:.3f} s)"
+    )
+    lines.append(
+        f"speedup over gather-and-broadcast: {res['speedup']:.2f}x; "
+        f"reshard at {res['reshard_vs_raw']:.2f}x raw point-to-point throughput"
+    )
+    return "\n".join(lines)
+
+
+def plot(results: list[dict[str, Any]], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 3.6))
+    names = [r["case"] for r in results]
+    x = range(len(names))
+    w = 0.35
+    ours = [r["method"]["reshard"]["seconds_median"] for r in results]
+    theirs = [r["method"]["gather_broadcast"]["seconds_median"] for r in results]
+    raw = [r["raw_p2p_seconds"] for r in results]
+    ax.bar([i - w / 2 for i in x], ours, w, label="reshard")
+    ax.bar([i + w / 2 for i in x], theirs, w, label="gather + broadcast")
+    ax.scatter(list(x), raw, color="black", marker="_", s=400, zorder=3, label="raw p2p, same volume")
+    ax.set_xticks(list(x))
+    ax.set_xticklabels([f"{r['case']}\n{r['trainer']} -> {r['engine']}" for r in results])
+    ax.set_ylabel("refit seconds (median)")
+    ax.set_title(f"refit of a {results[0]['model_bytes'] / 1e6:.0f} MB bf16 model over gloo (2-core CPU)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        prog="reshard bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--case", action="append", choices=sorted(CASES), help="case(s) to run (default: default)")
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--layers", type=int, default=None, help="override the model's layer count")
+    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--plot", default=None, help="write a PNG of the results")
+    args = ap.parse_args(argv)
+    results = []
+    for name in args.case or ["default"]:
+        case = CASES[name]
+        if args.layers is not None:
+            from dataclasses import replace
+
+            case = replace(case, layers=args.layers)
+        res = run_bench(case, reps=args.reps, warmup=args.warmup)
+        results.append(res)
+        if not args.json:
+            print(format_result(res), flush=True)
+    if args.json:
+        print(json.dumps(results[0] if len(results) == 1 else results, indent=2))
+    if args.plot:
+        plot(results, args.plot)
+    return 0
