@@ -6,6 +6,11 @@ The curated surface is re-exported here; engine adapters live in
 """
 
 from reshard.errors import PlanError, Problem, RefitError, ReshardError
+from reshard.layouts import GridSpec, PieceSpec
+from reshard.receiver import Receiver
+from reshard.sender import Sender
+from reshard.transport.group import GroupConfig
+from reshard.transport.session import RefitStats
 from reshard.plan import (
     Box,
     Grid,
@@ -25,17 +30,23 @@ __version__ = "0.1.0"
 __all__ = [
     "Box",
     "Grid",
+    "GridSpec",
+    "GroupConfig",
     "Layout",
     "LayoutSet",
     "LocalTensor",
     "Mesh",
     "Piece",
+    "PieceSpec",
     "PlanError",
     "Planner",
     "Problem",
     "RankPlan",
+    "Receiver",
     "RefitError",
+    "RefitStats",
     "ReshardError",
+    "Sender",
     "TensorMeta",
     "Transfer",
     "__version__",

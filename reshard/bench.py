@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import multiprocessing as mp
 import os
 import socket
@@ -169,8 +170,23 @@ def _run_rank(rank: int, case: BenchCase, address: str, reps: int, warmup: int) 
 
 
 def _volume(case: BenchCase, metas) -> int:
-    """What the engine workers must receive in all: one model per replica."""
-    return sum(m.nbytes for m in metas) * case.engine_dp
+    """What the engine workers keep in all (a model per replica, plus the
+    copies of replicated tensors such as norms that every TP rank keeps)."""
+    from reshard.plan.planner import LayoutSet
+    from reshard.plan.rules import EngineSpec, engine_layouts
+
+    side = engine_layouts(metas, case.config, EngineSpec(tp=case.engine_tp, dp=case.engine_dp), base=0)
+    ls = LayoutSet("destination")
+    for g in side.grids:
+        ls.add_grid(side.table, g)
+    total = 0
+    for name, entries in ls.tensor_grids.items():
+        meta = ls.metas[name]
+        item = meta.nbytes // max(1, math.prod(meta.shape))
+        for gid, _ in entries:
+            for box, ranks, _ in ls.grids[gid].holders(meta.shape):
+                total += box.numel * item * len(ranks)
+    return total
 
 
 def _check(local, slots) -> bool:
@@ -264,7 +280,9 @@ def _summarize(case: BenchCase, results: dict[int, dict], reps: int, warmup: int
             runs = [results[r]["runs"][i] for r in results]
             if runs[0]["method"] != method or i // 2 < warmup:
                 continue
-            per_run.append(max(x["total_seconds"] for x in runs))
+            # From the moment the last rank enters until the last rank leaves:
+            # waiting for a late rank to arrive is not part of the refit.
+            per_run.append(max(x["finished_at"] for x in runs) - max(x["started_at"] for x in runs))
         last = {r: next(x for x in reversed(results[r]["runs"]) if x["method"] == method) for r in results}
         recv = {r: last[r]["bytes_received"] for r in engines}
         methods[method] = {
@@ -296,6 +314,7 @@ def _summarize(case: BenchCase, results: dict[int, dict], reps: int, warmup: int
         "raw_p2p_gbps": raw_gbps,
         "raw_p2p_seconds": raw["seconds"],
         "raw_p2p_bytes": raw["bytes"],
+        "bytes_kept_total": volume,
         "reshard_vs_raw": r["throughput_gbps"] / raw_gbps,
         "speedup": g["seconds_median"] / r["seconds_median"],
     }
@@ -340,7 +359,7 @@ def plot(results: list[dict[str, Any]], path: str) -> None:
     raw = [r["raw_p2p_seconds"] for r in results]
     ax.bar([i - w / 2 for i in x], ours, w, label="reshard")
     ax.bar([i + w / 2 for i in x], theirs, w, label="gather + broadcast")
-    ax.scatter(list(x), raw, color="black", marker="_", s=400, zorder=3, label="raw p2p, same volume")
+    ax.scatter([i - w / 2 for i in x], raw, color="black", marker="_", s=900, zorder=3, label="raw p2p, same volume")
     ax.set_xticks(list(x))
     ax.set_xticklabels([f"{r['case']}\n{r['trainer']} -> {r['engine']}" for r in results])
     ax.set_ylabel("refit seconds (median)")

@@ -206,9 +206,13 @@ def _both_methods(rank: int, address: str) -> list[bool]:
             pieces.append(PieceSpec(m, Box((0,), (40,)), m.name, (40,)))
         else:
             pieces.append(PieceSpec(m, Box((j * 32, 0), (32, 40)), m.name, (32, 40)))
+
+    def zeros() -> dict[str, torch.Tensor]:
+        return {p.local: torch.zeros(p.local_shape, dtype=getattr(torch, p.tensor.dtype)) for p in pieces}
+
+    r = Receiver(zeros(), pieces, config=cfg, rank=rank, budget_bytes=8 << 10)
     for i, method in enumerate(["reshard", "gather_broadcast", "reshard", "gather_broadcast"]):
-        tensors = {p.local: torch.zeros(p.local_shape, dtype=getattr(torch, p.tensor.dtype)) for p in pieces}
-        r = Receiver(tensors, pieces, config=cfg, rank=rank, budget_bytes=8 << 10) if i == 0 else r
+        tensors = zeros()
         stats = r.pull(i + 1, method=method, destinations=tensors)
         ok = all(
             _same_bits(
@@ -232,3 +236,46 @@ def test_gather_broadcast_baseline_behind_the_same_interface():
     server = procs.StoreServer()
     out = procs.check(procs.run(_both_methods, 5, server.address))
     assert out[2:] == [[True] * 4] * 3
+
+
+def _staging(rank: int, address: str) -> dict:
+    """4 MiB tensor, rows split on the trainer, columns on the engine (non-contiguous
+    on both sides), with a 256 KiB staging budget."""
+    from reshard.layouts import PieceSpec
+    from reshard.plan.box import Box
+
+    meta = TensorMeta("w", (1024, 1024), "float32")
+    cfg = GroupConfig(address=address, num_sources=2, num_destinations=2, timeout_s=60, host_store=False)
+    full = global_tensor(meta)
+    budget = 256 << 10
+    if rank < 2:
+        local = full[rank * 512 : (rank + 1) * 512].clone()
+        st = Sender.from_pieces(
+            [PieceSpec(meta, Box((rank * 512, 0), (512, 1024)), "w", (512, 1024))],
+            {"w": local},
+            config=cfg,
+            rank=rank,
+            budget_bytes=budget,
+        ).push(1)
+        return {"peak": st.exec.peak_staging_bytes, "budget": budget, "ok": True}
+    j = rank - 2
+    dst = torch.zeros(1024, 512)
+    st = Receiver(
+        {"w": dst},
+        [PieceSpec(meta, Box((0, j * 512), (1024, 512)), "w", (1024, 512))],
+        config=cfg,
+        rank=rank,
+        budget_bytes=budget,
+    ).pull(1)
+    ok = _same_bits(dst, full[:, j * 512 : (j + 1) * 512])
+    return {"peak": st.exec.peak_staging_bytes, "budget": budget, "ok": ok, "slice": dst.numel() * 4}
+
+
+def test_staging_stays_within_the_budget_and_never_holds_a_whole_slice():
+    server = procs.StoreServer()
+    out = procs.check(procs.run(_staging, 4, server.address))
+    for o in out:
+        assert o["ok"]
+        assert 0 < o["peak"] <= o["budget"]
+    # A receiver keeping a 2 MiB slice never stages more than the 256 KiB budget of it.
+    assert all(o["peak"] < o["slice"] / 8 for o in out[2:])

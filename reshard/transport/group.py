@@ -39,7 +39,7 @@ if TYPE_CHECKING:
 
 __all__ = ["GroupConfig", "RefitGroup"]
 
-_WAIT_SLICE_S = 0.5
+_POLL_MAX_S = 0.02
 
 
 @dataclass(kw_only=True, slots=True)
@@ -195,19 +195,17 @@ class RefitGroup:
         Raises :class:`RefitError` at once if ``abort_key`` appears.
         """
         store = self.store
+        pause = 0.001
         while True:
-            # The store wakes us as soon as the keys exist; the slice bounds
-            # how late we notice an abort or the deadline.
-            left = deadline - time.monotonic()
-            try:
-                store.wait(keys, datetime.timedelta(seconds=max(0.001, min(_WAIT_SLICE_S, left))))
+            if store.check(keys):
                 return []
-            except Exception:
-                pass  # not all there yet: time out of this slice
             if abort_key is not None and store.check([abort_key]):
                 raise self._aborted(abort_key)
             if time.monotonic() >= deadline:
                 return [k for k in keys if not store.check([k])]
+            # Polling, not store.wait: a timed-out wait logs a warning each time.
+            time.sleep(pause)
+            pause = min(pause * 2, _POLL_MAX_S)
 
     def _aborted(self, abort_key: str) -> RefitError:
         msg = bytes(self.store.get(abort_key)).decode(errors="replace")

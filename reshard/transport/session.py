@@ -52,6 +52,9 @@ class RefitStats:
     agree_seconds: float
     total_seconds: float
     round_bytes: int
+    started_at: float = 0.0
+    """Wall clock (``time.time()``) when this rank entered the refit."""
+    finished_at: float = 0.0
 
     def as_dict(self) -> dict:
         d = self.exec.as_dict()
@@ -61,6 +64,8 @@ class RefitStats:
             agree_seconds=self.agree_seconds,
             total_seconds=self.total_seconds,
             round_bytes=self.round_bytes,
+            started_at=self.started_at,
+            finished_at=self.finished_at,
         )
         return d
 
@@ -188,6 +193,7 @@ class RefitSession:
         if refit <= self.last_refit:
             raise ValueError(f"refit {refit} is not newer than the last one ({self.last_refit})")
         t0 = time.perf_counter()
+        started_at = time.time()
         agree_s = 0.0
         # a/b. plan and agree; shrink rounds until every rank's staging fits.
         for _attempt in range(8):
@@ -276,6 +282,8 @@ class RefitSession:
             agree_seconds=agree_s,
             total_seconds=time.perf_counter() - t0,
             round_bytes=self.round_bytes,
+            started_at=started_at,
+            finished_at=time.time(),
         )
 
     def refit_baseline(
@@ -287,6 +295,7 @@ class RefitSession:
         if refit <= self.last_refit:
             raise ValueError(f"refit {refit} is not newer than the last one ({self.last_refit})")
         t0 = time.perf_counter()
+        started_at = time.time()
         saved = self.tensors
         if destinations is not None:
             self.tensors = destinations
@@ -302,6 +311,8 @@ class RefitSession:
             agree_seconds=0.0,
             total_seconds=time.perf_counter() - t0,
             round_bytes=bucket_bytes or self.budget_bytes,
+            started_at=started_at,
+            finished_at=time.time(),
         )
 
     # -- 3. close ---------------------------------------------------------------
