@@ -7,10 +7,6 @@ The curated surface is re-exported here; engine adapters live in
 
 from reshard.errors import PlanError, Problem, RefitError, ReshardError
 from reshard.layouts import GridSpec, PieceSpec
-from reshard.receiver import Receiver
-from reshard.sender import Sender
-from reshard.transport.group import GroupConfig
-from reshard.transport.session import RefitStats
 from reshard.plan import (
     Box,
     Grid,
@@ -24,6 +20,10 @@ from reshard.plan import (
     TensorMeta,
     Transfer,
 )
+from reshard.receiver import Receiver
+from reshard.sender import Sender
+from reshard.transport.group import GroupConfig
+from reshard.transport.session import RefitStats
 
 __version__ = "0.1.0"
 
