@@ -1,0 +1,88 @@
+"""A vLLM worker extension: ``--worker-extension-cls reshard.adapters.vllm.ReshardWorkerExtension``.
+
+An RL driver calls these methods on every worker with ``collective_rpc``
+(offline ``LLM.collective_rpc`` or the dev-mode ``POST /collective_rpc``).
+Arguments are JSON strings or plain values, because the HTTP route passes
+strings only:
+
+- ``reshard_init(config)``: learn this worker's layout from vLLM's loaders;
+  ``config`` holds the refit group (``address``, ``num_sources``,
+  ``num_destinations``, optional ``job``, ``engine_offset``, ``timeout_s``,
+  ``budget_bytes``, ``domain``). The worker's refit rank is
+  ``num_sources + engine_offset + worker rank``. Returns a summary.
+- ``reshard_pull(refit, method="reshard")``: receive refit number ``refit``
+  (trainer ranks call ``Sender.push(refit)`` at the same time). Returns this
+  worker's stats.
+- ``reshard_stats()``, ``reshard_close()``.
+
+After a pull, reset the prefix cache (``LLM.reset_prefix_cache()`` or
+``POST /reset_prefix_cache``): cached prefixes were computed with the old
+weights. In a server, pause generation around it (``POST /pause?mode=keep``,
+then ``POST /resume``).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+__all__ = ["ReshardWorkerExtension", "config_from"]
+
+
+def config_from(config: str | dict) -> tuple[Any, dict]:
+    """(GroupConfig, extra options) from a JSON string or dict."""
+    from reshard.transport.group import GroupConfig
+
+    d = json.loads(config) if isinstance(config, str) else dict(config)
+    extra = {k: d.pop(k) for k in ("engine_offset", "budget_bytes") if k in d}
+    known = {"address", "num_sources", "num_destinations", "job", "generation", "timeout_s", "backend", "domain"}
+    unknown = set(d) - known
+    if unknown:
+        raise ValueError(f"unknown reshard config keys {sorted(unknown)}; known: {sorted(known | set(extra))}")
+    d.setdefault("host_store", False)
+    return GroupConfig(**d), extra
+
+
+class ReshardWorkerExtension:
+    """Mixed into vLLM's worker class; ``self`` is the worker."""
+
+    def reshard_init(self, config: str | dict) -> dict[str, Any]:
+        from reshard.adapters.vllm.receiver import VllmReceiver
+
+        cfg, extra = config_from(config)
+        old = getattr(self, "_reshard", None)
+        if old is not None:
+            old.close()
+        rank = cfg.num_sources + int(extra.get("engine_offset", 0)) + int(self.rank)
+        self._reshard = VllmReceiver(
+            self.model_runner.model,
+            self.vllm_config.model_config,
+            config=cfg,
+            rank=rank,
+            device=self.device,
+            budget_bytes=int(extra.get("budget_bytes", 256 << 20)),
+        )
+        r = self._reshard
+        return {
+            "rank": rank,
+            "pieces": len(r.learned.pieces),
+            "params": len(r.learned.local_shapes),
+            "kept_bytes": r.kept_bytes,
+            "learn_seconds": r.learn_seconds,
+        }
+
+    def reshard_pull(self, refit: int | str, method: str = "reshard") -> dict[str, Any]:
+        r = getattr(self, "_reshard", None)
+        if r is None:
+            raise RuntimeError("call reshard_init before reshard_pull")
+        return r.pull(int(refit), method=method)
+
+    def reshard_stats(self) -> dict[str, Any]:
+        r = getattr(self, "_reshard", None)
+        return dict(r.last_stats) if r is not None else {}
+
+    def reshard_close(self) -> None:
+        r = getattr(self, "_reshard", None)
+        if r is not None:
+            r.close()
+            self._reshard = None

@@ -1,0 +1,275 @@
+"""The receiver inside one vLLM worker: learned layout + vLLM's reload lifecycle.
+
+One refit (``VllmReceiver.pull``):
+
+1. every rank agrees on the plan (problems raise on every rank; the model is
+   untouched);
+2. ``initialize_layerwise_reload``: parameters become meta tensors of their
+   checkpoint-loading shape, the live (possibly repacked) tensors are kept
+   aside;
+3. the first time a round writes into a layer, the layer is materialized
+   and zeroed (vocab padding stays zero, as vLLM's loader leaves it); bytes
+   land straight in its parameters, which have their checkpoint-loading
+   shapes, so no full copy of anything is ever built;
+4. after the last round that writes into a layer (or forwards from it), the
+   layer is processed (``process_weights_after_loading``: on CPU, repacked
+   for oneDNN; on GPU, quantized) and copied into the live tensors, one layer
+   at a time, as vLLM's own layerwise reload does;
+5. ``finalize_layerwise_reload`` puts back layers that were not touched and
+   processes attention layers.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from reshard.adapters.vllm.layout import LearnedLayout, learn_layout
+from reshard.errors import ReshardError
+from reshard.layouts import build_layout
+from reshard.plan.layout import TensorMeta
+from reshard.plan.planner import RankPlan
+from reshard.receiver import Receiver
+from reshard.transport.group import GroupConfig
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["EngineRefitError", "VllmReceiver", "canonical_tensors_of"]
+
+
+class EngineRefitError(ReshardError):
+    """A refit failed after the engine's weights started to change."""
+
+
+def canonical_tensors_of(model_config) -> list[TensorMeta]:
+    """Checkpoint names, shapes and dtypes of the model this engine serves."""
+    from reshard.models import canonical_tensors
+
+    dtype = str(model_config.dtype).removeprefix("torch.")
+    return canonical_tensors(model_config.hf_config.to_dict(), dtype=dtype)
+
+
+@dataclass(slots=True)
+class _Layer:
+    name: str
+    module: Any
+    params: list[str]
+    release_round: int = -1
+    materialized: bool = False
+    processed: bool = False
+
+
+class VllmReceiver:
+    """Learns this worker's layout once, then pulls refits into the live engine."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        model_config,
+        *,
+        config: GroupConfig,
+        rank: int,
+        device: torch.device | str = "cpu",
+        budget_bytes: int = 256 << 20,
+        tensors: list[TensorMeta] | None = None,
+    ) -> None:
+        self.model = model
+        self.model_config = model_config
+        metas = tensors if tensors is not None else canonical_tensors_of(model_config)
+        t0 = time.perf_counter()
+        self.learned: LearnedLayout = learn_layout(model, model_config, metas)
+        self.learn_seconds = time.perf_counter() - t0
+        problems = [f"cannot follow this loader: {u}" for u in self.learned.unsupported]
+        problems += [
+            f"parameter {n!r}: {k} loadable elements are written by no checkpoint tensor"
+            for n, k in self.learned.uncovered.items()
+        ]
+        if problems:
+            raise ReshardError(
+                f"engine rank {rank}: the layout learned from vLLM's loaders is incomplete, so refits would "
+                "leave stale weights:\n  " + "\n  ".join(problems[:20])
+            )
+        self.layout = build_layout(rank, self.learned.pieces)
+        self.modules = dict(model.named_modules())
+        self.rank = rank
+        self.receiver = Receiver(
+            {},
+            config=config,
+            rank=rank,
+            layout=self.layout,
+            device=device,
+            budget_bytes=budget_bytes,
+            check_tensors=False,
+        )
+        self.last_stats: dict[str, Any] = {}
+
+    @property
+    def kept_bytes(self) -> int:
+        return sum(p.box.numel * _itemsize(p.tensor.dtype) for p in self.learned.pieces)
+
+    def pull(self, refit: int, *, method: str = "reshard") -> dict[str, Any]:
+        """Receive refit ``refit`` into the live model (collective with every refit rank)."""
+        update = _Update(self)
+        t0 = time.perf_counter()
+        try:
+            stats = self.receiver.pull(
+                refit,
+                method=method,
+                destinations=update.tensors,
+                before_transfer=update.begin,
+                after_round=update.after_round,
+            )
+            # (The baseline has no rounds of ours: its first write starts the lifecycle.)
+            update.end()
+        except BaseException as e:
+            update.abort(e)
+            raise
+        self.last_stats = {
+            **stats.as_dict(),
+            "apply_seconds": update.process_seconds,
+            "refit_seconds": time.perf_counter() - t0,
+            "kept_bytes": self.kept_bytes,
+            "layers_processed": update.n_processed,
+        }
+        return self.last_stats
+
+    def close(self) -> None:
+        self.receiver.close()
+
+
+def _itemsize(dtype: str) -> int:
+    from reshard.plan.layout import dtype_size
+
+    return dtype_size(dtype)
+
+
+class _Update:
+    """State of one refit inside vLLM's layerwise reload lifecycle."""
+
+    def __init__(self, owner: VllmReceiver) -> None:
+        self.owner = owner
+        self.started = False
+        self.layers: dict[str, _Layer] = {}
+        self.layer_of: dict[str, _Layer] = {}
+        for mod_name, params in owner.learned.layers.items():
+            layer = _Layer(mod_name, owner.modules[mod_name], params)
+            self.layers[mod_name] = layer
+            for p in params:
+                self.layer_of[p] = layer
+        self.tensors = _LazyParams(self)
+        self.process_seconds = 0.0
+        self.n_processed = 0
+
+    def begin(self, plan: RankPlan | None = None) -> None:
+        """Every rank agreed to go ahead: enter vLLM's reload lifecycle."""
+        from vllm.model_executor.model_loader.reload import layerwise
+
+        if plan is not None:
+            for rnd in plan.rounds:
+                touched = [t.dst.local for ts in rnd.recvs.values() for t in ts]
+                touched += [t.dst.local for t in rnd.copies]
+                touched += [t.src.local for ts in rnd.sends.values() for t in ts if t.kind == "fwd"]
+                for local in touched:
+                    layer = self.layer_of.get(local)
+                    if layer is not None:
+                        layer.release_round = max(layer.release_round, rnd.index)
+        layerwise.initialize_layerwise_reload(self.owner.model)
+        self.started = True
+
+    def param(self, local: str) -> torch.Tensor:
+        """The (materialized) parameter ``local`` to write into."""
+        import torch
+        from vllm.model_executor.model_loader.reload import layerwise
+
+        if not self.started:
+            self.begin()
+        layer = self.layer_of.get(local)
+        if layer is None:
+            raise KeyError(f"engine rank {self.owner.rank}: {local!r} is not a parameter this worker learned")
+        if layer.processed:
+            raise EngineRefitError(f"{local!r} written after its layer {layer.name!r} was processed")
+        if not layer.materialized:
+            info = layerwise.LAYERWISE_INFO[layer.module]
+            layerwise.materialize_layer(layer.module, info)
+            with torch.no_grad():
+                for p in layer.params:
+                    _attr(self.owner.modules, p).zero_()
+            layer.materialized = True
+        return _attr(self.owner.modules, local).data
+
+    def after_round(self, index: int) -> None:
+        for layer in self.layers.values():
+            if layer.materialized and not layer.processed and layer.release_round <= index:
+                self._process(layer)
+
+    def _process(self, layer: _Layer) -> None:
+        from vllm.model_executor.model_loader.reload import layerwise
+
+        t0 = time.perf_counter()
+        info = layerwise.LAYERWISE_INFO[layer.module]
+        layerwise._layerwise_process(layer.module, info)
+        layer.processed = True
+        self.n_processed += 1
+        self.process_seconds += time.perf_counter() - t0
+
+    def end(self) -> None:
+        from vllm.model_executor.model_loader.reload import layerwise
+
+        for layer in self.layers.values():
+            if layer.materialized and not layer.processed:
+                self._process(layer)
+        missing = [layer.name for layer in self.layers.values() if not layer.processed]
+        if self.started:
+            layerwise.finalize_layerwise_reload(self.owner.model, self.owner.model_config)
+            self.started = False
+        if missing:
+            raise EngineRefitError(
+                f"engine rank {self.owner.rank}: layers {missing[:5]} received nothing in this refit and keep "
+                "their old weights"
+            )
+
+    def abort(self, error: BaseException) -> None:
+        """A refit failed: put back the old weights of every layer not yet processed."""
+        if not self.started:
+            return
+        from vllm.model_executor.model_loader.reload import layerwise
+
+        for layer in self.layers.values():
+            if not layer.processed:
+                info = layerwise.LAYERWISE_INFO[layer.module]
+                if info.kernel_tensors is not None:
+                    layerwise._place_kernel_tensors(layer.module, info)
+                info.reset()
+        layerwise.finalize_layerwise_reload(self.owner.model, self.owner.model_config)
+        self.started = False
+        done = sum(1 for layer in self.layers.values() if layer.processed)
+        if done:
+            # Some layers already carry the new weights: say so loudly.
+            raise EngineRefitError(
+                f"engine rank {self.owner.rank}: refit failed after {done} of {len(self.layers)} layers took the "
+                f"new weights; the engine now mixes old and new weights until a refit succeeds ({error})"
+            ) from error
+
+
+def _attr(modules: dict[str, Any], full: str):
+    mod, _, name = full.rpartition(".")
+    return getattr(modules[mod], name)
+
+
+class _LazyParams(Mapping):
+    """Local name -> parameter data, materializing layers on first use."""
+
+    def __init__(self, update: _Update) -> None:
+        self.update = update
+
+    def __getitem__(self, key: str):
+        return self.update.param(key)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.update.layer_of)
+
+    def __len__(self) -> int:
+        return len(self.update.layer_of)

@@ -1,0 +1,120 @@
+"""Tiny models built locally (no model hub) for tests, examples and the demo.
+
+Each is a real transformers model saved with ``save_pretrained`` (safetensors)
+plus a word-level tokenizer built with ``tokenizers``. They use a large
+initializer range and seeded noise on norms and biases: with the default
+init a tiny model's output ignores its layer weights, and a refit test would
+pass on wrong weights.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+__all__ = ["TINY", "build_tiny_model", "perturb", "tiny_config"]
+
+# vLLM on CPU needs head_dim in {32, 64, 80, ...}.
+TINY: dict[str, dict[str, Any]] = {
+    # GQA (2 KV heads), untied, qkv bias, a vocabulary vLLM pads (500 -> 512).
+    "qwen2": dict(
+        model_type="qwen2",
+        hidden_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        vocab_size=500,
+        tie_word_embeddings=False,
+    ),
+    # One KV head (replicated across TP ranks), tied embeddings.
+    "llama": dict(
+        model_type="llama",
+        hidden_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        head_dim=32,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        vocab_size=512,
+        tie_word_embeddings=True,
+    ),
+    # Mixture of experts: FusedMoE w13/w2 stacks in vLLM, fused experts in transformers 5.
+    "qwen3_moe": dict(
+        model_type="qwen3_moe",
+        hidden_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        intermediate_size=256,
+        moe_intermediate_size=64,
+        num_experts=4,
+        num_experts_per_tok=2,
+        num_hidden_layers=2,
+        vocab_size=512,
+        tie_word_embeddings=False,
+        norm_topk_prob=True,
+    ),
+}
+
+
+def tiny_config(kind: str, **overrides: Any) -> dict[str, Any]:
+    if kind not in TINY:
+        raise ValueError(f"unknown tiny model {kind!r}; known: {sorted(TINY)}")
+    cfg = dict(TINY[kind])
+    cfg.update(
+        initializer_range=0.1,
+        max_position_embeddings=512,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=3,
+        torch_dtype="float32",
+    )
+    cfg.update(overrides)
+    return cfg
+
+
+def perturb(model, seed: int, scale: float = 0.1) -> None:
+    """Seeded noise on norms and biases (zero or one by default)."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name or name.endswith(".bias"):
+                p.add_(torch.randn(p.shape, generator=g, dtype=torch.float32).to(p.dtype) * scale)
+
+
+def build_tiny_model(path: str | os.PathLike, kind: str = "qwen2", *, seed: int = 0, **overrides: Any) -> Path:
+    """Build and save a tiny model and tokenizer at ``path`` (reused if present)."""
+    import torch
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
+
+    path = Path(path)
+    cfg_dict = tiny_config(kind, **overrides)
+    stamp = path / "reshard-tiny.json"
+    if stamp.exists() and json.loads(stamp.read_text()) == {"config": cfg_dict, "seed": seed}:
+        return path
+    path.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(seed)
+    cfg = dict(cfg_dict)
+    model_type = cfg.pop("model_type")
+    config = AutoConfig.for_model(model_type, **cfg)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    perturb(model, seed + 1)
+    model.save_pretrained(path, safe_serialization=True)
+    vocab_size = cfg_dict["vocab_size"]
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, "<pad>": 3}
+    vocab.update({f"w{i}": i + 4 for i in range(vocab_size - 4)})
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>", pad_token="<pad>"
+    )
+    fast.save_pretrained(path)
+    stamp.write_text(json.dumps({"config": cfg_dict, "seed": seed}))
+    return path
