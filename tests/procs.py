@@ -63,15 +63,23 @@ def _entry(fn: Callable, rank: int, args: tuple, q) -> None:
         q.put((rank, False, None, f"{type(e).__name__}: {e}\n{traceback.format_exc()}", time.monotonic() - t0))
 
 
-def run(fn: Callable, world: int, *args: Any, timeout: float = 180.0, ranks: list[int] | None = None) -> list[Outcome]:
+def run(
+    fn: Callable,
+    world: int,
+    *args: Any,
+    timeout: float = 180.0,
+    ranks: list[int] | None = None,
+    daemon: bool = True,
+) -> list[Outcome]:
     """Run ``fn(rank, *args)`` for each rank in its own process; collect outcomes.
 
     Processes still alive at ``timeout`` are killed and reported as hung.
+    ``daemon=False`` lets them start processes of their own.
     """
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     ranks = list(range(world)) if ranks is None else ranks
-    procs = {r: ctx.Process(target=_entry, args=(fn, r, args, q), daemon=True) for r in ranks}
+    procs = {r: ctx.Process(target=_entry, args=(fn, r, args, q), daemon=daemon) for r in ranks}
     for p in procs.values():
         p.start()
     results: dict[int, Outcome] = {}

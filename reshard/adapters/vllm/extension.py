@@ -15,6 +15,12 @@ strings only:
   worker's stats.
 - ``reshard_stats()``, ``reshard_close()``.
 
+These methods never raise: they return ``{"ok": False, "error": ..., "step":
+...}`` instead. vLLM 0.32's multiprocess executor stops reading worker
+replies at the first worker that raised, so the next ``collective_rpc``
+would get a stale reply; :mod:`reshard.adapters.vllm.driver` turns the
+replies back into one :class:`reshard.RefitError`.
+
 After a pull, reset the prefix cache (``LLM.reset_prefix_cache()`` or
 ``POST /reset_prefix_cache``): cached prefixes were computed with the old
 weights. In a server, pause generation around it (``POST /pause?mode=keep``,
@@ -27,6 +33,22 @@ import json
 from typing import Any
 
 __all__ = ["ReshardWorkerExtension", "config_from"]
+
+
+def _reply(fn, *args) -> dict[str, Any]:
+    """Run ``fn`` and return its result as ``{"ok": True, ...}``, or the error."""
+    try:
+        return {"ok": True, **fn(*args)}
+    except BaseException as e:
+        step = getattr(e, "step", None)
+        errors = getattr(e, "errors", None)
+        return {
+            "ok": False,
+            "error": str(e),
+            "type": type(e).__name__,
+            "step": step,
+            "errors": {int(k): v for k, v in errors.items()} if errors else None,
+        }
 
 
 def config_from(config: str | dict) -> tuple[Any, dict]:
@@ -47,6 +69,12 @@ class ReshardWorkerExtension:
     """Mixed into vLLM's worker class; ``self`` is the worker."""
 
     def reshard_init(self, config: str | dict) -> dict[str, Any]:
+        return _reply(self._reshard_init, config)
+
+    def reshard_pull(self, refit: int | str, method: str = "reshard") -> dict[str, Any]:
+        return _reply(self._reshard_pull, refit, method)
+
+    def _reshard_init(self, config: str | dict) -> dict[str, Any]:
         from reshard.adapters.vllm.receiver import VllmReceiver
 
         cfg, extra = config_from(config)
@@ -71,7 +99,7 @@ class ReshardWorkerExtension:
             "learn_seconds": r.learn_seconds,
         }
 
-    def reshard_pull(self, refit: int | str, method: str = "reshard") -> dict[str, Any]:
+    def _reshard_pull(self, refit: int | str, method: str = "reshard") -> dict[str, Any]:
         r = getattr(self, "_reshard", None)
         if r is None:
             raise RuntimeError("call reshard_init before reshard_pull")

@@ -182,7 +182,13 @@ def learn_layout(model: torch.nn.Module, model_config, tensors: Iterable[TensorM
                 value = args[1] if len(args) > 1 else 0
                 if dst.untyped_storage()._cdata in params:
                     fills.append(
-                        (dst.untyped_storage()._cdata, dst.storage_offset(), tuple(dst.shape), tuple(dst.stride()), value)
+                        (
+                            dst.untyped_storage()._cdata,
+                            dst.storage_offset(),
+                            tuple(dst.shape),
+                            tuple(dst.stride()),
+                            value,
+                        )
                     )
                     return dst
             return func(*args, **(kwargs or {}))
@@ -248,7 +254,7 @@ def learn_layout(model: torch.nn.Module, model_config, tensors: Iterable[TensorM
         zero_fill[pname].append(vb[0])
         covered[pname] += vb[0].numel
     uncovered = {}
-    for key, (pname, p) in params.items():
+    for pname, p in params.values():
         if pname not in local_shapes:
             continue
         want = getattr(p, "weight_loader_numel", p.numel())

@@ -94,6 +94,7 @@ class VllmReceiver:
             )
         self.layout = build_layout(rank, self.learned.pieces)
         self.modules = dict(model.named_modules())
+        self.followers = _followers(self.modules, set(self.learned.layers))
         self.rank = rank
         self.receiver = Receiver(
             {},
@@ -211,6 +212,7 @@ class _Update:
         t0 = time.perf_counter()
         info = layerwise.LAYERWISE_INFO[layer.module]
         layerwise._layerwise_process(layer.module, info)
+        _repack_cpu_experts(layer.module)
         layer.processed = True
         self.n_processed += 1
         self.process_seconds += time.perf_counter() - t0
@@ -225,6 +227,8 @@ class _Update:
         if self.started:
             layerwise.finalize_layerwise_reload(self.owner.model, self.owner.model_config)
             self.started = False
+            for name in self.owner.followers:
+                _reprocess(self.owner.modules[name])
         if missing:
             raise EngineRefitError(
                 f"engine rank {self.owner.rank}: layers {missing[:5]} received nothing in this refit and keep "
@@ -252,6 +256,44 @@ class _Update:
                 f"engine rank {self.owner.rank}: refit failed after {done} of {len(self.layers)} layers took the "
                 f"new weights; the engine now mixes old and new weights until a refit succeeds ({error})"
             ) from error
+
+
+def _followers(modules: dict[str, Any], updated: set[str]) -> list[str]:
+    """Modules that share a live tensor with a module we update but load
+    nothing themselves (a tied ``lm_head``). vLLM's reload never processes
+    them again, so whatever they derived from the shared weight (the CPU
+    ``lm_head`` packs its own copy for its matmul) goes stale."""
+    owners: dict[int, set[str]] = {}
+    for name, mod in modules.items():
+        for t in list(mod._parameters.values()) + list(mod._buffers.values()):
+            if t is not None and t.numel() and not t.is_meta:
+                owners.setdefault(t.untyped_storage().data_ptr(), set()).add(name)
+    out = set()
+    for names in owners.values():
+        if names & updated:
+            out |= {n for n in names - updated if getattr(modules[n], "quant_method", None) is not None}
+    return sorted(out)
+
+
+def _reprocess(module) -> None:
+    qm = getattr(module, "quant_method", None)
+    if qm is not None and hasattr(qm, "process_weights_after_loading"):
+        qm.process_weights_after_loading(module)
+
+
+def _repack_cpu_experts(module) -> None:
+    """vLLM 0.32 on CPU prepacks MoE expert weights into its grouped-GEMM
+    layout only on the first load; on a weight update it copies the
+    checkpoint-layout weights over the packed ones, and its own reload then
+    serves garbage. Pack again, as the first load does."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return
+    kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
+    experts = getattr(kernel, "fused_experts", None)
+    if experts is not None and type(experts).__module__.endswith("cpu_moe"):
+        experts.process_weights_after_loading(module)
 
 
 def _attr(modules: dict[str, Any], full: str):

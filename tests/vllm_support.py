@@ -1,0 +1,333 @@
+"""Helpers for the vLLM tests: a capture extension, trainers, and a driver that
+runs one engine through a whole scenario in its own process.
+
+vLLM engines run in a subprocess per configuration (one engine per
+configuration, shared by every check of that configuration), so engines with
+different tensor-parallel sizes never share a process.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import time
+from typing import Any
+
+from reshard.adapters.vllm.extension import ReshardWorkerExtension
+
+PROMPTS = [[5, 6, 7, 8, 9], [11, 12, 13, 4, 200, 31]]
+MAX_TOKENS = 12
+
+
+def engine_env(tp: int) -> None:
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        [os.path.dirname(os.path.dirname(os.path.abspath(__file__))), os.environ.get("PYTHONPATH", "")]
+    )
+    if tp == 1:
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    else:
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(i % os.cpu_count()) for i in range(tp))
+
+
+def make_llm(path: str, tp: int, extension: str = "tests.vllm_support.CaptureExtension", **kwargs):
+    engine_env(tp)
+    from vllm import LLM
+
+    return LLM(
+        model=path,
+        dtype="float32",
+        enforce_eager=True,
+        max_model_len=128,
+        block_size=32,
+        max_num_seqs=4,
+        tensor_parallel_size=tp,
+        distributed_executor_backend="mp" if tp > 1 else None,
+        worker_extension_cls=extension,
+        seed=0,
+        **kwargs,
+    )
+
+
+def greedy(llm) -> list[list[int]]:
+    from vllm import SamplingParams
+
+    sp = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], sp, use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+def fresh_greedy(rank: int, path: str) -> list[list[int]]:
+    """Greedy tokens of a fresh TP=1 engine on ``path`` (run in its own process)."""
+    llm = make_llm(path, 1, extension="reshard.adapters.vllm.ReshardWorkerExtension")
+    return greedy(llm)
+
+
+def _digest(t) -> str:
+    import torch
+
+    return hashlib.sha256(t.detach().contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+
+
+class CaptureExtension(ReshardWorkerExtension):
+    """Adds: capture every parameter as vLLM's loaders leave it, just before
+    the layer is processed (on CPU, processing repacks linear weights), for
+    a reshard pull or for vLLM's own reload from a checkpoint."""
+
+    def capture_begin(self) -> None:
+        from vllm.model_executor.model_loader.reload import layerwise
+
+        self._captured: dict[str, str] = {}
+        model = self.model_runner.model
+        names = {id(m): n for n, m in model.named_modules()}
+        captured = self._captured
+
+        def grab(layer) -> None:
+            prefix = names.get(id(layer), "?")
+            for pname, p in list(layer._parameters.items()) + list(layer._buffers.items()):
+                if p is not None and not p.is_meta and p.numel():
+                    captured[f"{prefix}.{pname}" if prefix else pname] = _digest(p)
+
+        self._orig_copy = layerwise._copy_and_restore_kernel_tensors
+        self._patched_qm: list[tuple[Any, Any]] = []
+        seen: set[int] = set()
+        for m in model.modules():
+            qm = getattr(m, "quant_method", None)
+            if qm is None or not hasattr(qm, "process_weights_after_loading") or id(qm) in seen:
+                continue
+            seen.add(id(qm))
+            orig = qm.process_weights_after_loading
+
+            def wrapped(layer, _orig=orig):
+                grab(layer)
+                return _orig(layer)
+
+            qm.process_weights_after_loading = wrapped
+            self._patched_qm.append((qm, orig))
+
+        def copy_and_restore(layer, info, _orig=self._orig_copy):
+            if getattr(layer, "quant_method", None) is None:
+                grab(layer)
+            return _orig(layer, info)
+
+        layerwise._copy_and_restore_kernel_tensors = copy_and_restore
+
+    def capture_end(self) -> dict[str, str]:
+        from vllm.model_executor.model_loader.reload import layerwise
+
+        layerwise._copy_and_restore_kernel_tensors = self._orig_copy
+        for qm, orig in self._patched_qm:
+            qm.process_weights_after_loading = orig
+        return dict(self._captured)
+
+    def reload_from(self, path: str) -> None:
+        """vLLM's own refit from a checkpoint (the reference)."""
+        self.model_runner.reload_weights(weights_path=path, is_checkpoint_format=True)
+
+
+def fsdp_trainer(
+    rank: int,
+    address: str,
+    pg_port: int,
+    path: str,
+    world: int,
+    num_destinations: int,
+    refit: int,
+    generation: int,
+    mutate: str = "",
+) -> dict[str, Any]:
+    """A trainer rank: the checkpoint at ``path`` under FSDP2 over ``world`` ranks."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from transformers import AutoModelForCausalLM
+
+    from reshard import GroupConfig, Sender
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(pg_port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        if mutate == "shape":
+            # A trainer whose model disagrees with the engine's on one tensor.
+            model.model.norm.weight = torch.nn.Parameter(torch.zeros(model.model.norm.weight.shape[0] + 1))
+        mesh = init_device_mesh("cpu", (world,))
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        rename = None
+        if mutate == "missing":
+
+            def rename(n: str) -> str | None:
+                return None if n == "model.layers.1.post_attention_layernorm.weight" else n
+
+        from reshard.sender import default_rename
+
+        cfg = GroupConfig(
+            address=address,
+            num_sources=world,
+            num_destinations=num_destinations,
+            timeout_s=60,
+            host_store=False,
+            generation=generation,
+        )
+        sender = Sender(model, config=cfg, rename=rename or default_rename)
+        try:
+            st = sender.push(refit)
+            return {"ok": True, "sent": st.exec.bytes_sent}
+        except Exception as e:
+            return {"ok": False, "error": str(e), "step": getattr(e, "step", None)}
+        finally:
+            sender.close()
+    finally:
+        dist.destroy_process_group()
+
+
+def _pull_with_trainers(
+    llm,
+    address: str,
+    v_path: str,
+    tp: int,
+    refit: int,
+    generation: int,
+    mutate: str = "",
+    trainer_world: int = 2,
+    capture: bool = True,
+) -> dict[str, Any]:
+    """Run one refit: FSDP2 trainer ranks in subprocesses, the engine's workers here."""
+    import multiprocessing as mp
+
+    from reshard.adapters.vllm.driver import init_workers, pull_workers
+    from tests import procs
+
+    cfg = {
+        "address": address,
+        "num_sources": trainer_world,
+        "num_destinations": tp,
+        "timeout_s": 60,
+        "generation": generation,
+    }
+    init = init_workers(llm, cfg)
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    pg_port = procs.free_port()
+    ps = [
+        ctx.Process(
+            target=procs._entry,
+            args=(fsdp_trainer, r, (address, pg_port, v_path, trainer_world, tp, refit, generation, mutate), q),
+            daemon=True,
+        )
+        for r in range(trainer_world)
+    ]
+    for p in ps:
+        p.start()
+    if capture:
+        llm.collective_rpc("capture_begin")
+    t0 = time.monotonic()
+    error = None
+    stats = None
+    try:
+        stats = pull_workers(llm, refit)
+    except Exception as e:
+        error = str(e)
+    seconds = time.monotonic() - t0
+    digests = llm.collective_rpc("capture_end") if capture else None
+    trainers = []
+    for _ in ps:
+        _rank, ok, value, err, _secs = q.get(timeout=120)
+        trainers.append(value if ok else {"ok": False, "error": err})
+    for p in ps:
+        p.join(timeout=30)
+    return {"init": init, "stats": stats, "error": error, "digests": digests, "trainers": trainers, "seconds": seconds}
+
+
+def scenario(rank: int, kind: str, tp: int, v1: str, v2: str, address: str) -> dict[str, Any]:
+    """One engine (``kind``, ``tp``) serving ``v1`` through every check."""
+    from tests import procs
+
+    out: dict[str, Any] = {}
+    out["fresh_v2"] = procs.check(procs.run(fresh_greedy, 1, v2, timeout=300))[0]
+    llm = make_llm(v1, tp)
+    try:
+        out["before"] = greedy(llm)
+        # 1. refit v1 -> v2 from a differently sharded (FSDP2) trainer
+        r = _pull_with_trainers(llm, address, v2, tp, refit=1, generation=0)
+        llm.reset_prefix_cache()
+        out["refit"] = r
+        out["after"] = greedy(llm)
+        # 2. mismatched trainers: rejected before any byte moves, old weights kept
+        for g, mutate in ((1, "shape"), (2, "missing")):
+            m = _pull_with_trainers(llm, address, v2, tp, refit=1, generation=g, mutate=mutate, capture=False)
+            llm.reset_prefix_cache()
+            m["after"] = greedy(llm)
+            out[f"mismatch_{mutate}"] = m
+        # 3. and back to v1 with a plain single-rank trainer
+        r = _pull_with_trainers(llm, address, v1, tp, refit=2, generation=3, trainer_world=1, capture=False)
+        llm.reset_prefix_cache()
+        out["back"] = r
+        out["back_tokens"] = greedy(llm)
+        # 4. last (vLLM 0.32's own reload breaks CPU MoE engines): vLLM's own
+        # reload from the v2 checkpoint, captured the same way as step 1.
+        llm.collective_rpc("capture_begin")
+        llm.collective_rpc("reload_from", args=(v2,))
+        out["reference_digests"] = llm.collective_rpc("capture_end")
+    finally:
+        del llm
+    return out
+
+
+def backend_scenario(rank: int, tp: int, v1: str, v2: str, port: int) -> dict[str, Any]:
+    """vLLM's native weight-transfer API with ``backend: reshard``: the offline
+    ``LLM`` is the trainer engine's client; the trainer is this process."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    from vllm.distributed.weight_transfer.base import ModuleSource
+    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+    from reshard.adapters.vllm.backend import ReshardTrainerInitInfo
+    from tests import procs
+
+    out: dict[str, Any] = {"fresh_v2": procs.check(procs.run(fresh_greedy, 1, v2, timeout=300))[0]}
+    llm = make_llm(
+        v1, tp, extension="reshard.adapters.vllm.ReshardWorkerExtension", weight_transfer_config={"backend": "reshard"}
+    )
+    try:
+        out["before"] = greedy(llm)
+        address = f"127.0.0.1:{port}"
+
+        def trainer_engine(path: str, generation: int, mutate: str = ""):
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+            if mutate == "shape":
+                model.model.norm.weight = torch.nn.Parameter(torch.zeros(model.model.norm.weight.shape[0] + 1))
+            info = ReshardTrainerInitInfo(
+                rank=0, address=address, num_sources=1, num_destinations=tp, generation=generation, timeout_s=60
+            )
+            return WeightTransferTrainerFactory.trainer_init(info, client=llm, source=ModuleSource(model))
+
+        eng = trainer_engine(v2, 0)
+        t0 = time.monotonic()
+        eng.send_weights()
+        out["seconds"] = time.monotonic() - t0
+        eng.shutdown()
+        llm.reset_prefix_cache()
+        out["after"] = greedy(llm)
+        # A trainer that disagrees on a shape: update_weights raises on the
+        # driver, the engine keeps serving (and answering) with its weights.
+        bad = trainer_engine(v1, 1, mutate="shape")
+        try:
+            bad.send_weights()
+            out["mismatch_error"] = None
+        except Exception as e:
+            out["mismatch_error"] = str(e)
+        bad.shutdown()
+        llm.reset_prefix_cache()
+        out["after_mismatch"] = greedy(llm)
+        eng = trainer_engine(v1, 2)
+        eng.send_weights()
+        eng.shutdown()
+        llm.reset_prefix_cache()
+        out["back"] = greedy(llm)
+    finally:
+        del llm
+    return out
