@@ -296,7 +296,7 @@ def backend_scenario(rank: int, tp: int, v1: str, v2: str, port: int) -> dict[st
         out["before"] = greedy(llm)
         address = f"127.0.0.1:{port}"
 
-        def trainer_engine(path: str, generation: int, mutate: str = ""):
+        def trainer_engine(path: str, generation: int, mutate: str = "", llm=llm):
             model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
             if mutate == "shape":
                 model.model.norm.weight = torch.nn.Parameter(torch.zeros(model.model.norm.weight.shape[0] + 1))

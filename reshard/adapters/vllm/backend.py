@@ -57,6 +57,8 @@ class ReshardUpdateInfo(WeightTransferUpdateInfo):
 class ReshardEngine(WeightTransferEngine[ReshardInitInfo, ReshardUpdateInfo]):
     """The worker side: one per vLLM worker."""
 
+    receiver: Any = None
+    failed: bool = False
     init_info_cls = ReshardInitInfo
     update_info_cls = ReshardUpdateInfo
     supports_draft_weight_update = False
@@ -140,6 +142,8 @@ class ReshardTrainerEngine(TrainerWeightTransferEngine[ReshardTrainerInitInfo]):
     the engine through vLLM's weight-sync client, concurrently with the push."""
 
     init_info_cls = ReshardTrainerInitInfo
+    sender: Any
+    refits: int = 0
 
     @classmethod
     def trainer_init(cls, init_info: ReshardTrainerInitInfo, *, client, source=None) -> ReshardTrainerEngine:

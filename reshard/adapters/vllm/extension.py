@@ -68,6 +68,13 @@ def config_from(config: str | dict) -> tuple[Any, dict]:
 class ReshardWorkerExtension:
     """Mixed into vLLM's worker class; ``self`` is the worker."""
 
+    # Provided by vLLM's worker, which this class is mixed into.
+    rank: int
+    model_runner: Any
+    vllm_config: Any
+    device: Any
+    _reshard: Any
+
     def reshard_init(self, config: str | dict) -> dict[str, Any]:
         return _reply(self._reshard_init, config)
 

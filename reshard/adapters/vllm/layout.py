@@ -210,7 +210,7 @@ def learn_layout(model: torch.nn.Module, model_config, tensors: Iterable[TensorM
                 if hasattr(p, "weight_loader"):
                     p.weight_loader = layerwise._get_original_loader(p)
         with Recorder(), torch.no_grad():
-            model.load_weights(iter(fakes))
+            model.load_weights(iter(fakes))  # type: ignore[operator]
     finally:
         with _quiet(quiet):
             layerwise.finalize_layerwise_reload(model, model_config)
