@@ -190,7 +190,16 @@ class ReshardTrainerEngine(TrainerWeightTransferEngine[ReshardTrainerInitInfo]):
             def drive() -> None:
                 try:
                     self.client.start_weight_update()
+                except BaseException as e:  # re-raised below
+                    errors.append(e)
+                    return
+                try:
                     self.client.update_weights({"update_info": asdict(ReshardUpdateInfo(refit=refit))})
+                except BaseException as e:  # re-raised below
+                    errors.append(e)
+                    _close_failed_update(self.client)
+                    return
+                try:
                     self.client.finish_weight_update()
                 except BaseException as e:  # re-raised below
                     errors.append(e)
@@ -207,6 +216,23 @@ class ReshardTrainerEngine(TrainerWeightTransferEngine[ReshardTrainerInitInfo]):
 
     def shutdown(self) -> None:
         self.sender.close()
+
+
+def _close_failed_update(client) -> None:
+    """Close the update session on the workers that did not raise.
+
+    A failed pull raises only on the last worker (see
+    :meth:`ReshardEngine.receive_weights`), and vLLM marks the session closed
+    only where ``update_weights`` raised; the other workers would refuse the
+    next ``start_weight_update``. ``finish_weight_update`` closes theirs (the
+    reshard engine's finish is a no-op, the model was restored by the pull)
+    and raises on the last worker, which has nothing open: that error is
+    expected. Drivers other than :class:`ReshardTrainerEngine` do the same.
+    """
+    try:
+        client.finish_weight_update()
+    except Exception:
+        pass
 
 
 _STORES: dict[str, object] = {}
