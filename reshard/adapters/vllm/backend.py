@@ -20,6 +20,7 @@ worker extension.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from dataclasses import asdict, dataclass, field
 from typing import Any, ClassVar
@@ -229,10 +230,8 @@ def _close_failed_update(client) -> None:
     and raises on the last worker, which has nothing open: that error is
     expected. Drivers other than :class:`ReshardTrainerEngine` do the same.
     """
-    try:
+    with contextlib.suppress(Exception):
         client.finish_weight_update()
-    except Exception:
-        pass
 
 
 _STORES: dict[str, object] = {}
