@@ -44,6 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--round-mib", type=int, default=128, help="tensor data per round (MiB)")
     p.set_defaults(func=_plan)
     sub.add_parser("bench", help="reshard vs gather-and-broadcast on this machine (see reshard bench --help)")
+    sub.add_parser("demo", help="train a tiny model and hot-swap it into a vLLM engine (see reshard demo --help)")
     return parser
 
 
@@ -53,6 +54,10 @@ def main(argv: list[str] | None = None) -> int:
         from reshard.bench import main as bench_main
 
         return bench_main(argv[1:])
+    if argv and argv[0] == "demo":
+        from reshard.demo import main as demo_main
+
+        return demo_main(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     try:

@@ -13,7 +13,7 @@ import numpy as np
 
 from reshard.plan.box import Box
 from reshard.plan.layout import Slot, TensorMeta
-from reshard.plan.planner import Planner, RankPlan
+from reshard.plan.planner import LayoutSet, Planner, RankPlan
 
 
 def global_tensors(metas: dict[str, TensorMeta]) -> dict[str, np.ndarray]:
@@ -47,7 +47,11 @@ def write_slot(store: dict, slot: Slot, box: Box, data: np.ndarray) -> None:
 
 def slots_by_rank(planner: Planner, side: str) -> dict[int, list[tuple[str, Slot]]]:
     """Every (tensor, slot) of every rank of one side, expanding grids piece by piece."""
-    ls = planner.sources if side == "src" else planner.dests
+    return layout_set_slots(planner.sources if side == "src" else planner.dests)
+
+
+def layout_set_slots(ls: LayoutSet) -> dict[int, list[tuple[str, Slot]]]:
+    """Every (tensor, slot) of every rank of a layout set, grids expanded."""
     out: dict[int, list[tuple[str, Slot]]] = defaultdict(list)
     for name, slots in ls.tensor_slots.items():
         for s in slots:

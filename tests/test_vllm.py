@@ -27,6 +27,7 @@ def run(request, tmp_path_factory):
     server = procs.StoreServer()
     out = procs.check(procs.run(scenario, 1, kind, tp, str(v1), str(v2), server.address, timeout=900, daemon=False))[0]
     out["tp"] = tp
+    out["config"] = str(v1 / "config.json")
     return out
 
 
@@ -81,3 +82,34 @@ def test_refit_back_from_a_single_rank_trainer(run):
     b = run["back"]
     assert b["error"] is None, b["error"]
     assert run["back_tokens"] == run["before"]
+
+
+def test_plan_rules_agree_with_the_layout_learned_from_vllm(run):
+    """``reshard plan``'s vLLM sharding rules, on this tiny model, describe
+    exactly the pieces each worker learned from vLLM's own loaders."""
+    from reshard.models import load_model
+    from reshard.plan.rules import EngineSpec, engine_layouts
+
+    from .oracle import layout_set_slots
+
+    def norm(tensor, offs, sizes, local, local_shape, offset, dims):
+        return (
+            tensor,
+            tuple(offs),
+            tuple(sizes),
+            local,
+            tuple(local_shape),
+            tuple(offset) or (0,) * len(local_shape),
+            tuple(dims) or tuple(range(len(offs))),
+        )
+
+    model = load_model(run["config"], dtype="float32")
+    rules = engine_layouts(model.tensors, model.config, EngineSpec.parse(f"tp={run['tp']}"))
+    by_rank = layout_set_slots(rules.layout_set("dst"))
+    assert sorted(by_rank) == list(range(run["tp"]))
+    for rank, learned in enumerate(run["learned"]):
+        ours = {norm(t, s.box.offsets, s.box.sizes, s.local, s.local_shape, s.offset, s.dims) for t, s in by_rank[rank]}
+        theirs = {norm(*p) for p in learned}
+        assert ours == theirs, (
+            f"worker {rank}: only in the rules {sorted(ours - theirs)[:5]}, only learned {sorted(theirs - ours)[:5]}"
+        )

@@ -120,6 +120,19 @@ class CaptureExtension(ReshardWorkerExtension):
             qm.process_weights_after_loading = orig
         return dict(self._captured)
 
+    def learned_pieces(self) -> list[tuple]:
+        """This worker's layout as learned from vLLM's loaders, as plain tuples
+        (tensor, box offsets, box sizes, parameter, parameter shape, offset, dims)."""
+        from reshard.adapters.vllm.layout import learn_layout
+        from reshard.adapters.vllm.receiver import canonical_tensors_of
+
+        cfg = self.model_runner.model_config
+        learned = learn_layout(self.model_runner.model, cfg, canonical_tensors_of(cfg))
+        return [
+            (p.tensor.name, p.box.offsets, p.box.sizes, p.local, p.local_shape, p.offset, p.dims)
+            for p in learned.pieces
+        ]
+
     def reload_from(self, path: str) -> None:
         """vLLM's own refit from a checkpoint (the reference)."""
         self.model_runner.reload_weights(weights_path=path, is_checkpoint_format=True)
@@ -135,8 +148,10 @@ def fsdp_trainer(
     refit: int,
     generation: int,
     mutate: str = "",
+    engine_url: str = "",
 ) -> dict[str, Any]:
-    """A trainer rank: the checkpoint at ``path`` under FSDP2 over ``world`` ranks."""
+    """A trainer rank: the checkpoint at ``path`` under FSDP2 over ``world`` ranks.
+    With ``engine_url``, rank 0 also drives that ``vllm serve`` endpoint."""
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -173,9 +188,14 @@ def fsdp_trainer(
             generation=generation,
         )
         sender = Sender(model, config=cfg, rename=rename or default_rename)
+        engines = None
+        if engine_url and rank == 0:
+            from reshard.adapters.vllm.driver import VllmEngines
+
+            engines = VllmEngines([engine_url])
         try:
-            st = sender.push(refit)
-            return {"ok": True, "sent": st.exec.bytes_sent}
+            st = sender.push(refit, engines=engines)
+            return {"ok": True, "sent": st.exec.bytes_sent, "engine_stats": sender.engine_stats}
         except Exception as e:
             return {"ok": False, "error": str(e), "step": getattr(e, "step", None)}
         finally:
@@ -251,6 +271,7 @@ def scenario(rank: int, kind: str, tp: int, v1: str, v2: str, address: str) -> d
     llm = make_llm(v1, tp)
     try:
         out["before"] = greedy(llm)
+        out["learned"] = llm.collective_rpc("learned_pieces")
         # 1. refit v1 -> v2 from a differently sharded (FSDP2) trainer
         r = _pull_with_trainers(llm, address, v2, tp, refit=1, generation=0)
         llm.reset_prefix_cache()

@@ -24,8 +24,9 @@ Engine rules (vLLM 0.32)
 ------------------------
 ``tp=T,dp=D`` is D replicas of a T-way tensor-parallel engine. q/k/v fuse
 into ``qkv_proj`` (KV heads replicated when fewer than T), gate/up into
-``gate_up_proj``, experts into ``FusedMoE`` ``w13_weight`` / ``w2_weight``
-stacks, DeepSeek's ``q_a_proj`` + ``kv_a_proj_with_mqa`` into a replicated
+``gate_up_proj``, experts into ``FusedMoE`` stacks
+(``experts.routed_experts.w13_weight`` / ``w2_weight``), DeepSeek's
+``q_a_proj`` + ``kv_a_proj_with_mqa`` into a replicated
 ``fused_qkv_a_proj``; vocab-parallel layers pad the vocabulary to a
 multiple of 64. ``ep=on`` turns on expert parallelism (experts spread over
 all T*D ranks, not cut).
@@ -410,12 +411,12 @@ def _engine_layouts(
             rows, cols = m.shape
             if col:
                 inter = rows // cut
-                local = LocalTensor(f"{pre}.w13_weight", (per, 2 * inter, cols))
+                local = LocalTensor(f"{pre}.routed_experts.w13_weight", (per, 2 * inter, cols))
                 row = 0 if ek in ("gate_proj", "w1") else inter
                 off = (0, row, 0)
             else:
                 inter = cols // cut
-                local = LocalTensor(f"{pre}.w2_weight", (per, rows, inter))
+                local = LocalTensor(f"{pre}.routed_experts.w2_weight", (per, rows, inter))
                 off = (0, 0, 0)
             axis = len(e_mesh.shape) - 1
             shard = ((), ()) if spec.ep else _spec(2, 0 if col else 1, axis)

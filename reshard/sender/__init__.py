@@ -15,9 +15,11 @@ Call order (every trainer rank, collectively with every engine worker):
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
+from reshard.engines import Engines
 from reshard.layouts import GridSpec, PieceSpec, build_layout
 from reshard.plan.layout import Layout
 from reshard.sender.pieces import default_rename, describe_module
@@ -117,6 +119,8 @@ class Sender:
             device = next(iter(tensors.values())).device if tensors else "cpu"
         self.rank = rank
         self.layout = layout
+        self.engine_stats: list[dict] = []
+        self._engines_ready: set[int] = set()
         self.session = RefitSession(
             config,
             rank=rank,
@@ -132,21 +136,57 @@ class Sender:
         self.session.connect()
 
     def push(
-        self, refit: int, *, method: str = "reshard", after_round: Callable[[int], None] | None = None
+        self,
+        refit: int,
+        *,
+        method: str = "reshard",
+        after_round: Callable[[int], None] | None = None,
+        engines: Engines | None = None,
     ) -> RefitStats:
         """Send refit number ``refit`` (collective with every refit rank).
 
         ``method``: ``reshard``, or ``gather_broadcast`` (the baseline; every
-        rank must pick the same). ``after_round(i)`` runs after each round."""
+        rank must pick the same). ``after_round(i)`` runs after each round.
+        ``engines`` (on one trainer rank, usually rank 0): the engines to
+        drive, e.g. ``VllmEngines(["http://host:8000"])``; they are set up
+        on first use and told to pull this refit while this rank pushes, so
+        this one call does the whole update. The engines' per-worker stats
+        are in ``self.engine_stats`` afterwards."""
+        if method not in ("reshard", "gather_broadcast"):
+            raise ValueError(f"unknown refit method {method!r}; use 'reshard' or 'gather_broadcast'")
         if self._describe is not None:
             # Local shards are re-read each time: a trainer may have replaced them.
             _, _, tensors = self._describe()
             _check_locals(self.layout, tensors)
             self.session.tensors = tensors
+        if engines is None:
+            return self._push(refit, method, after_round)
+        if id(engines) not in self._engines_ready:
+            engines.init(self.session.config)
+            self._engines_ready.add(id(engines))
+        errors: list[BaseException] = []
+        replies: list[list[dict]] = []
+
+        def drive() -> None:
+            try:
+                replies.append(engines.refit(refit, method=method))
+            except BaseException as e:  # re-raised below
+                errors.append(e)
+
+        driver = threading.Thread(target=drive, name="reshard-drive-engines", daemon=True)
+        driver.start()
+        try:
+            stats = self._push(refit, method, after_round)
+        finally:
+            driver.join()
+        if errors:
+            raise errors[0]
+        self.engine_stats = replies[0] if replies else []
+        return stats
+
+    def _push(self, refit: int, method: str, after_round: Callable[[int], None] | None) -> RefitStats:
         if method == "gather_broadcast":
             return self.session.refit_baseline(refit)
-        if method != "reshard":
-            raise ValueError(f"unknown refit method {method!r}; use 'reshard' or 'gather_broadcast'")
         return self.session.refit(refit, after_round=after_round)
 
     def close(self) -> None:

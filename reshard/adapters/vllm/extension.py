@@ -53,11 +53,13 @@ def _reply(fn, *args) -> dict[str, Any]:
 
 def config_from(config: str | dict) -> tuple[Any, dict]:
     """(GroupConfig, extra options) from a JSON string or dict."""
+    from dataclasses import fields
+
     from reshard.transport.group import GroupConfig
 
     d = json.loads(config) if isinstance(config, str) else dict(config)
     extra = {k: d.pop(k) for k in ("engine_offset", "budget_bytes") if k in d}
-    known = {"address", "num_sources", "num_destinations", "job", "generation", "timeout_s", "backend", "domain"}
+    known = {f.name for f in fields(GroupConfig)} - {"host_store"}
     unknown = set(d) - known
     if unknown:
         raise ValueError(f"unknown reshard config keys {sorted(unknown)}; known: {sorted(known | set(extra))}")

