@@ -21,7 +21,7 @@ $(STAMP): requirements/cpu.txt pyproject.toml
 	touch $(STAMP)
 
 demo: setup
-	$(BIN)/reshard plan --model llama3-70b --trainer fsdp=64 --engine tp=8,dp=8 --cluster dgx-h100
+	$(BIN)/reshard demo
 
 LINT_PATHS := $(wildcard reshard tests benchmarks examples)
 
