@@ -12,7 +12,11 @@ Trainer rules
 - ``tp=,pp=,ep=,etp=,dp=``: Megatron-Core. Column-parallel (q/k/v, gate,
   up, q_b, kv_b) cut dim 0, row-parallel (o, down) cut dim 1, vocab cut
   dim 0 over the vocabulary padded to a multiple of ``128 * tp``; norms,
-  routers and MLA down-projections replicate. Layers split over pipeline
+  routers and MLA down-projections replicate (Transformer Engine spec; the
+  local spec cuts the latter on dim 0). With fewer KV heads than ``tp``
+  each rank holds a contiguous ``1/tp`` of Megatron's fused ``linear_qkv``
+  (per query group ``[q heads, k, v]``), so q, k and v are cut where those
+  rows fall; layouts that are no grid raise. Layers split over pipeline
   stages as evenly as possible (earlier stages take the remainder); the
   embedding sits on the first stage, final norm and LM head on the last.
   Experts are spread over ``ep`` ranks, each expert cut ``etp`` ways.
@@ -34,11 +38,13 @@ all T*D ranks, not cut).
 
 from __future__ import annotations
 
+import itertools
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from reshard.plan.box import chunk_range
 from reshard.plan.layout import Grid, Layout, LocalTensor, Mesh, TensorMeta
 from reshard.plan.planner import LayoutSet, gc_paused
 
@@ -307,7 +313,10 @@ def _trainer_layouts(tensors: tuple[TensorMeta, ...], config: dict[str, Any], sp
             continue
         mesh = Mesh(shape=(dp, tp), start=base)
         key: tuple
-        if kind == "column":
+        qkv = _megatron_qkv_key(m, config, tp, dp, base) if kind == "column" else None
+        if qkv is not None:
+            key = qkv
+        elif kind == "column":
             key = (mesh, _spec(nd, 0, 1), (), None, (), (), ())
         elif kind == "row":
             key = (mesh, _spec(nd, 1, 1), (), None, (), (), ())
@@ -318,6 +327,54 @@ def _trainer_layouts(tensors: tuple[TensorMeta, ...], config: dict[str, Any], sp
         b.add(m, key)
     table, grids = b.build()
     return SideLayouts(table, grids, range(spec.world), [(s * stage_size, names) for s, names in enumerate(stages)])
+
+
+def _megatron_qkv_key(m: TensorMeta, config: dict[str, Any], tp: int, dp: int, base: int) -> tuple | None:
+    """Grid key of q/k/v under Megatron TP when KV heads do not split evenly
+    (``None``: a plain dim-0 cut). Megatron's ``linear_qkv`` rows are, per
+    query group, ``[its q heads, k head, v head]``; TP rank ``r`` holds rows
+    ``[r, r + 1) * rows / tp`` of that."""
+    parts = m.name.split(".")
+    if len(parts) < 2 or parts[-2] not in ("q_proj", "k_proj", "v_proj"):
+        return None
+    heads = int(config.get("num_attention_heads") or 0)
+    groups = int(config.get("num_key_value_heads") or heads)
+    if not heads or not groups or groups % tp == 0:
+        return None
+    rows = m.shape[0]
+    hd = rows // (heads if parts[-2] == "q_proj" else groups)
+    qpg = heads // groups
+    block = (qpg + 2) * hd
+    first, size = {"q_proj": (0, qpg * hd), "k_proj": (qpg * hd, hd), "v_proj": ((qpg + 1) * hd, hd)}[parts[-2]]
+    if (heads + 2 * groups) * hd % tp:
+        raise ValueError(f"{m.name}: Megatron's linear_qkv rows do not split into tp={tp}")
+    per = (heads + 2 * groups) * hd // tp
+    held: list[tuple[int, int] | None] = []
+    for r in range(tp):
+        spans = []
+        for g in range(groups):
+            at = g * block + first
+            lo, hi = max(r * per, at), min((r + 1) * per, at + size)
+            if lo < hi:
+                spans.append((g * size + lo - at, g * size + hi - at))
+        if any(a[1] != b[0] for a, b in itertools.pairwise(spans)):
+            raise ValueError(f"{m.name}: Megatron TP rank {r} holds {len(spans)} separate runs of rows; not a grid")
+        held.append((spans[0][0], spans[-1][1]) if spans else None)
+    holders = [r for r, h in enumerate(held) if h]
+    step = holders[1] - holders[0] if len(holders) > 1 else 1
+    lo0, hi0 = held[holders[0]]  # type: ignore[misc]
+    blk = hi0 - lo0
+    fits = holders == list(range(holders[0], holders[0] + step * len(holders), step)) and all(
+        held[r] == chunk_range(rows, len(holders), i, blk) for i, r in enumerate(holders)
+    )
+    if not fits:
+        raise ValueError(
+            f"{m.name}: Megatron's linear_qkv at tp={tp} with {groups} query groups puts rows "
+            f"{held} on the TP ranks, which no grid rule describes"
+        )
+    nd = len(m.shape)
+    mesh = Mesh(shape=(dp, len(holders)), start=base + holders[0], strides=(tp, step))
+    return (mesh, _spec(nd, 0, 1), (blk,) + (0,) * (nd - 1), None, (), (), ())
 
 
 def _num_experts(config: dict[str, Any]) -> int:
