@@ -352,3 +352,164 @@ def backend_scenario(rank: int, tp: int, v1: str, v2: str, port: int) -> dict[st
     finally:
         del llm
     return out
+
+
+def plain_trainer(
+    rank: int,
+    address: str,
+    paths: list[str],
+    num_destinations: int,
+    first_refit: int,
+    generation: int,
+    budget_bytes: int = 256 << 20,
+    die_after_round: int = -1,
+) -> dict[str, Any]:
+    """One trainer rank (no FSDP) pushing ``len(paths)`` refits in a row, the
+    weights of ``paths[i]`` for refit ``first_refit + i``. With
+    ``die_after_round >= 0`` the process dies after that round of its first
+    refit (a trainer crash in the middle of a transfer)."""
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from reshard import GroupConfig, Sender
+
+    model = AutoModelForCausalLM.from_pretrained(paths[0], dtype=torch.float32)
+    cfg = GroupConfig(
+        address=address,
+        num_sources=1,
+        num_destinations=num_destinations,
+        timeout_s=20,
+        host_store=False,
+        generation=generation,
+    )
+    sender = Sender(model, config=cfg, budget_bytes=budget_bytes)
+    cache: dict[str, dict[str, torch.Tensor]] = {}
+
+    def die(i: int) -> None:
+        if i >= die_after_round:
+            os._exit(3)
+
+    try:
+        for i, path in enumerate(paths):
+            if path not in cache:
+                cache[path] = load_file(os.path.join(path, "model.safetensors"))
+            with torch.no_grad():
+                for name, p in model.named_parameters():
+                    p.copy_(cache[path][name])
+            sender.push(first_refit + i, after_round=die if die_after_round >= 0 else None)
+        return {"ok": True}
+    except Exception as e:
+        return {"ok": False, "error": str(e)}
+    finally:
+        sender.close()
+
+
+def _resources() -> dict[str, int]:
+    import threading
+
+    import psutil
+
+    me = psutil.Process()
+    return {
+        "rss": me.memory_info().rss,
+        "threads": threading.active_count(),
+        "fds": me.num_fds(),
+        "children": len(me.children(recursive=True)),
+        "connections": len(me.net_connections(kind="tcp")),
+    }
+
+
+def faults_scenario(rank: int, v1: str, v2: str, address: str, soak: int) -> dict[str, Any]:
+    """One TP=1 engine: ``soak`` refits in a row (resources sampled), then
+    trainer crashes mid-transfer in default and in atomic mode, each
+    followed by a successful refit, without restarting the engine."""
+    import multiprocessing as mp
+
+    from reshard.adapters.vllm.driver import init_workers, pull_workers
+    from tests import procs
+
+    out: dict[str, Any] = {
+        "fresh_v1": procs.check(procs.run(fresh_greedy, 1, v1, timeout=300))[0],
+        "fresh_v2": procs.check(procs.run(fresh_greedy, 1, v2, timeout=300))[0],
+    }
+    ctx = mp.get_context("spawn")
+    llm = make_llm(v1, 1)
+
+    def trainer(paths, first, generation, **kw):
+        q = ctx.Queue()
+        p = ctx.Process(
+            target=procs._entry,
+            args=(plain_trainer, 0, (address, paths, 1, first, generation, *kw.values()), q),
+            daemon=True,
+        )
+        p.start()
+        return p, q
+
+    def status(llm) -> dict[str, Any]:
+        return llm.collective_rpc("reshard_status")[0]
+
+    try:
+        # 1. soak: refits 1..soak alternate v2, v1, ...; one trainer process.
+        init_workers(llm, {"address": address, "num_sources": 1, "num_destinations": 1, "timeout_s": 60})
+        paths = [v2 if i % 2 else v1 for i in range(1, soak + 1)]
+        p, q = trainer(paths, 1, 0)
+        samples: dict[int, dict[str, int]] = {}
+        peaks = []
+        for i in range(1, soak + 1):
+            (st,) = pull_workers(llm, i)
+            peaks.append(st["peak_staging_bytes"])
+            if i in (10, soak // 2, soak):
+                samples[i] = _resources()
+        p.join(timeout=60)
+        out["soak"] = {"samples": samples, "peaks": peaks, "trainer": q.get(timeout=10)}
+        llm.reset_prefix_cache()
+        out["soak_tokens"] = greedy(llm)  # the last refit sent paths[-1]
+        out["soak_last"] = paths[-1]
+        small = 64 << 10  # many rounds, so the crash lands mid-transfer
+        refit = soak
+        for gen, atomic in ((1, False), (3, True)):
+            cfg = {
+                "address": address,
+                "num_sources": 1,
+                "num_destinations": 1,
+                "timeout_s": 20,
+                "generation": gen,
+                "budget_bytes": small,
+                "atomic": atomic,
+            }
+            key = "atomic" if atomic else "default"
+            init_workers(llm, cfg)
+            before = greedy(llm)
+            target = v1 if out["soak_last"] == v2 else v2
+            refit += 1
+            p, q = trainer([target], refit, gen, budget_bytes=small, die_after_round=20)
+            t0 = time.monotonic()
+            try:
+                pull_workers(llm, refit)
+                error = None
+            except Exception as e:
+                error = str(e)
+            seconds = time.monotonic() - t0
+            p.join(timeout=60)
+            llm.reset_prefix_cache()
+            crashed = {"error": error, "seconds": seconds, "status": status(llm), "exitcode": p.exitcode}
+            crashed["same_as_before"] = greedy(llm) == before
+            # the next refit, after rebuilding the group (a new generation), succeeds
+            init_workers(llm, {**cfg, "generation": gen + 1})
+            refit += 1
+            p, q = trainer([target], refit, gen + 1, budget_bytes=small)
+            (st,) = pull_workers(llm, refit)
+            p.join(timeout=60)
+            llm.reset_prefix_cache()
+            out[key] = {
+                "crashed": crashed,
+                "retry_tokens": greedy(llm),
+                "target": target,
+                "status": status(llm),
+                "layers_processed": st["layers_processed"],
+            }
+            out["soak_last"] = target
+    finally:
+        del llm
+    return out

@@ -8,7 +8,7 @@ the trainer side (:class:`ReshardTrainerEngine`) follow vLLM's contract:
 - ``init_weight_transfer_engine({"init_info": {...}})`` on every worker:
   ``address``, ``num_sources``, ``num_destinations`` and optionally ``job``,
   ``generation``, ``engine_offset``, ``timeout_s``, ``budget_bytes``,
-  ``domain``. The worker learns its layout from vLLM's loaders.
+  ``domain``, ``atomic``. The worker learns its layout from vLLM's loaders.
 - per refit: ``start_weight_update`` (nothing yet: the model is touched only
   once every rank agreed on the plan), ``update_weights({"update_info":
   {"refit": n}})`` (the whole pull, while trainer ranks push), then
@@ -47,6 +47,7 @@ class ReshardInitInfo(WeightTransferInitInfo):
     timeout_s: float = 300.0
     budget_bytes: int = 256 << 20
     domain: str | None = None
+    atomic: bool = False
 
 
 @dataclass
@@ -91,6 +92,7 @@ class ReshardEngine(WeightTransferEngine[ReshardInitInfo, ReshardUpdateInfo]):
             rank=init_info.num_sources + init_info.engine_offset + worker_rank,
             device=self.device,
             budget_bytes=init_info.budget_bytes,
+            atomic=init_info.atomic,
         )
 
     def start_weight_update(self) -> None:

@@ -46,9 +46,14 @@ def init_workers(engine, config: dict[str, Any]) -> list[dict[str, Any]]:
     return _check(engine.collective_rpc("reshard_init", args=(json.dumps(config),)), "reshard_init")
 
 
-def pull_workers(engine, refit: int, *, method: str = "reshard") -> list[dict[str, Any]]:
+def pull_workers(engine, refit: int, *, method: str = "reshard", atomic: bool | None = None) -> list[dict[str, Any]]:
     """``reshard_pull`` on every worker (trainer ranks push at the same time)."""
-    return _check(engine.collective_rpc("reshard_pull", args=(str(refit), method)), "reshard_pull")
+    return _check(_pull_replies(engine, refit, method, atomic), "reshard_pull")
+
+
+def _pull_replies(engine, refit: int, method: str, atomic: bool | None) -> list[dict[str, Any]]:
+    flag = "" if atomic is None else str(atomic).lower()
+    return engine.collective_rpc("reshard_pull", args=(str(refit), method, flag))
 
 
 class HttpEngine:
@@ -105,9 +110,23 @@ class VllmEngines:
     ``pause_mode``: how requests in flight are handled around a swap on
     servers (``wait``, ``keep`` or ``abort``; offline engines generate only
     when their owner calls them). ``budget_bytes`` caps each worker's
-    staging."""
+    staging. ``atomic``: every worker keeps all its old weights when a refit
+    fails, at the cost of one materialized copy of its weights during the
+    refit (see :meth:`reshard.adapters.vllm.receiver.VllmReceiver.pull`).
 
-    def __init__(self, engines: Sequence[Any], *, pause_mode: str = "wait", budget_bytes: int | None = None) -> None:
+    Without ``atomic``, a refit that fails after some layers took their new
+    weights leaves a worker *mixed*; a server with such a worker stays
+    paused (it queues requests and generates nothing) until a refit
+    succeeds, and the error names the engine. :attr:`mixed` lists them."""
+
+    def __init__(
+        self,
+        engines: Sequence[Any],
+        *,
+        pause_mode: str = "wait",
+        budget_bytes: int | None = None,
+        atomic: bool = False,
+    ) -> None:
         if pause_mode not in ("wait", "keep", "abort"):
             raise ValueError(f"pause_mode {pause_mode!r}: use 'wait', 'keep' or 'abort'")
         self.engines = [HttpEngine(e) if isinstance(e, str) else e for e in engines]
@@ -115,6 +134,8 @@ class VllmEngines:
             raise ValueError("VllmEngines needs at least one engine")
         self.pause_mode = pause_mode
         self.budget_bytes = budget_bytes
+        self.atomic = atomic
+        self.mixed: list[Any] = []
         self.workers: list[list[dict[str, Any]]] = []
         self.config: GroupConfig | None = None
 
@@ -122,6 +143,7 @@ class VllmEngines:
         base = {k: v for k, v in asdict(config).items() if k != "host_store" and v is not None}
         if self.budget_bytes is not None:
             base["budget_bytes"] = self.budget_bytes
+        base["atomic"] = self.atomic
         self.workers = []
         offset = 0
         for e in self.engines:
@@ -143,11 +165,15 @@ class VllmEngines:
             s.pause(self.pause_mode)
         results: list[list[dict[str, Any]] | None] = [None] * len(self.engines)
         errors: list[BaseException] = []
+        mixed: list[Any] = []
         try:
 
             def pull(i: int) -> None:
                 try:
-                    results[i] = pull_workers(self.engines[i], refit, method=method)
+                    replies = _pull_replies(self.engines[i], refit, method, None)
+                    if any(r.get("mixed") for r in replies):
+                        mixed.append(self.engines[i])
+                    results[i] = _check(replies, "reshard_pull")
                 except BaseException as e:
                     errors.append(e)
 
@@ -164,8 +190,16 @@ class VllmEngines:
             for e in self.engines:
                 e.reset_prefix_cache()
         finally:
+            self.mixed = mixed
+            # A server whose weights are half old, half new stays paused.
             for s in servers:
-                s.resume()
+                if s not in mixed:
+                    s.resume()
         if errors:
+            if mixed:
+                raise ReshardError(
+                    f"refit {refit} failed after some layers took their new weights on {mixed}; "
+                    "servers among them stay paused until a refit succeeds"
+                ) from errors[0]
             raise errors[0]
         return [w for r in results for w in (r or [])]

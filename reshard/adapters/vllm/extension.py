@@ -7,13 +7,17 @@ strings only:
 
 - ``reshard_init(config)``: learn this worker's layout from vLLM's loaders;
   ``config`` holds the refit group (``address``, ``num_sources``,
-  ``num_destinations``, optional ``job``, ``engine_offset``, ``timeout_s``,
-  ``budget_bytes``, ``domain``). The worker's refit rank is
+  ``num_destinations``, optional ``job``, ``generation``, ``timeout_s``,
+  ``domain``, any other :class:`reshard.GroupConfig` field) and worker
+  options (``engine_offset``, ``budget_bytes``, ``atomic``). The worker's refit rank is
   ``num_sources + engine_offset + worker rank``. Returns a summary.
-- ``reshard_pull(refit, method="reshard")``: receive refit number ``refit``
-  (trainer ranks call ``Sender.push(refit)`` at the same time). Returns this
-  worker's stats.
-- ``reshard_stats()``, ``reshard_close()``.
+- ``reshard_pull(refit, method="reshard", atomic=None)``: receive refit
+  number ``refit`` (trainer ranks call ``Sender.push(refit)`` at the same
+  time). Returns this worker's stats, and ``mixed``: whether a failed refit
+  left this worker with some layers new and some old (see
+  :meth:`reshard.adapters.vllm.receiver.VllmReceiver.pull`; ``atomic``
+  overrides the ``atomic`` init option for this refit).
+- ``reshard_status()``, ``reshard_stats()``, ``reshard_close()``.
 
 These methods never raise: they return ``{"ok": False, "error": ..., "step":
 ...}`` instead. vLLM 0.32's multiprocess executor stops reading worker
@@ -51,6 +55,20 @@ def _reply(fn, *args) -> dict[str, Any]:
         }
 
 
+def _flag(v: bool | str | None) -> bool | None:
+    """A boolean that may arrive as a string (the HTTP route passes strings)."""
+    if v is None or isinstance(v, bool):
+        return v
+    text = str(v).strip().lower()
+    if text in ("", "none", "null"):
+        return None
+    if text in ("1", "true", "yes"):
+        return True
+    if text in ("0", "false", "no"):
+        return False
+    raise ValueError(f"not a boolean: {v!r}")
+
+
 def config_from(config: str | dict) -> tuple[Any, dict]:
     """(GroupConfig, extra options) from a JSON string or dict."""
     from dataclasses import fields
@@ -58,7 +76,7 @@ def config_from(config: str | dict) -> tuple[Any, dict]:
     from reshard.transport.group import GroupConfig
 
     d = json.loads(config) if isinstance(config, str) else dict(config)
-    extra = {k: d.pop(k) for k in ("engine_offset", "budget_bytes") if k in d}
+    extra = {k: d.pop(k) for k in ("engine_offset", "budget_bytes", "atomic") if k in d}
     known = {f.name for f in fields(GroupConfig)} - {"host_store"}
     unknown = set(d) - known
     if unknown:
@@ -80,8 +98,20 @@ class ReshardWorkerExtension:
     def reshard_init(self, config: str | dict) -> dict[str, Any]:
         return _reply(self._reshard_init, config)
 
-    def reshard_pull(self, refit: int | str, method: str = "reshard") -> dict[str, Any]:
-        return _reply(self._reshard_pull, refit, method)
+    def reshard_pull(
+        self, refit: int | str, method: str = "reshard", atomic: bool | str | None = None
+    ) -> dict[str, Any]:
+        out = _reply(self._reshard_pull, refit, method, _flag(atomic))
+        r = getattr(self, "_reshard", None)
+        out["mixed"] = bool(r is not None and r.mixed)
+        return out
+
+    def reshard_status(self) -> dict[str, Any]:
+        """``{"ready": joined, "mixed": a failed refit left old and new weights, "refit": last good refit}``."""
+        r = getattr(self, "_reshard", None)
+        if r is None:
+            return {"ready": False, "mixed": False, "refit": 0}
+        return {"ready": True, "mixed": r.mixed, "refit": r.receiver.session.last_refit}
 
     def _reshard_init(self, config: str | dict) -> dict[str, Any]:
         from reshard.adapters.vllm.receiver import VllmReceiver
@@ -98,6 +128,7 @@ class ReshardWorkerExtension:
             rank=rank,
             device=self.device,
             budget_bytes=int(extra.get("budget_bytes", 256 << 20)),
+            atomic=bool(_flag(extra.get("atomic", False))),
         )
         r = self._reshard
         return {
@@ -108,11 +139,11 @@ class ReshardWorkerExtension:
             "learn_seconds": r.learn_seconds,
         }
 
-    def _reshard_pull(self, refit: int | str, method: str = "reshard") -> dict[str, Any]:
+    def _reshard_pull(self, refit: int | str, method: str = "reshard", atomic: bool | None = None) -> dict[str, Any]:
         r = getattr(self, "_reshard", None)
         if r is None:
             raise RuntimeError("call reshard_init before reshard_pull")
-        return r.pull(int(refit), method=method)
+        return r.pull(int(refit), method=method, atomic=atomic)
 
     def reshard_stats(self) -> dict[str, Any]:
         r = getattr(self, "_reshard", None)

@@ -75,8 +75,12 @@ class VllmReceiver:
         device: torch.device | str = "cpu",
         budget_bytes: int = 256 << 20,
         tensors: list[TensorMeta] | None = None,
+        atomic: bool = False,
     ) -> None:
+        """``atomic``: the default for :meth:`pull` (see there)."""
         self.model = model
+        self.atomic = atomic
+        self.mixed = False
         self.model_config = model_config
         metas = tensors if tensors is not None else canonical_tensors_of(model_config)
         t0 = time.perf_counter()
@@ -111,8 +115,19 @@ class VllmReceiver:
     def kept_bytes(self) -> int:
         return sum(p.box.numel * _itemsize(p.tensor.dtype) for p in self.learned.pieces)
 
-    def pull(self, refit: int, *, method: str = "reshard") -> dict[str, Any]:
-        """Receive refit ``refit`` into the live model (collective with every refit rank)."""
+    def pull(self, refit: int, *, method: str = "reshard", atomic: bool | None = None) -> dict[str, Any]:
+        """Receive refit ``refit`` into the live model (collective with every refit rank).
+
+        Default: each layer is processed (repacked) after the last round that
+        writes it, so only the layers in flight are materialized. If the
+        refit then fails, layers not yet processed get their old weights
+        back; layers already processed keep the new ones, the worker is
+        marked :attr:`mixed` and the error says so. ``atomic=True``: no
+        layer is processed before every rank reported a complete transfer,
+        so a failed refit leaves every old weight in place; it costs one
+        materialized copy of everything this worker keeps
+        (:attr:`kept_bytes`) for the length of the refit."""
+        atomic = self.atomic if atomic is None else atomic
         update = _Update(self)
         t0 = time.perf_counter()
         try:
@@ -121,19 +136,25 @@ class VllmReceiver:
                 method=method,
                 destinations=update.tensors,
                 before_transfer=update.begin,
-                after_round=update.after_round,
+                after_round=None if atomic else update.after_round,
             )
             # (The baseline has no rounds of ours: its first write starts the lifecycle.)
             update.end()
         except BaseException as e:
-            update.abort(e)
+            try:
+                update.abort(e)
+            except EngineRefitError:
+                self.mixed = True
+                raise
             raise
+        self.mixed = False
         self.last_stats = {
             **stats.as_dict(),
             "apply_seconds": update.process_seconds,
             "refit_seconds": time.perf_counter() - t0,
             "kept_bytes": self.kept_bytes,
             "layers_processed": update.n_processed,
+            "atomic": atomic,
         }
         return self.last_stats
 

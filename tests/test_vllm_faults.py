@@ -1,0 +1,68 @@
+"""A real vLLM engine (TP=1) through a soak of many refits and through trainer
+crashes in the middle of a transfer, with and without atomic mode, never
+restarted."""
+
+from __future__ import annotations
+
+import pytest
+
+from reshard.tiny import build_tiny_model
+
+from . import procs
+from .vllm_support import faults_scenario
+
+pytestmark = [pytest.mark.engine, pytest.mark.slow]
+
+SOAK = 100
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    root = tmp_path_factory.mktemp("faults")
+    v1 = build_tiny_model(root / "v1", "qwen2", seed=0)
+    v2 = build_tiny_model(root / "v2", "qwen2", seed=7)
+    server = procs.StoreServer()
+    outs = procs.run(faults_scenario, 1, str(v1), str(v2), server.address, SOAK, timeout=900, daemon=False)
+    out = procs.check(outs)[0]
+    out["v1"], out["v2"] = str(v1), str(v2)
+    return out
+
+
+def test_soak_of_many_refits_keeps_memory_threads_and_sockets_flat(run):
+    soak = run["soak"]
+    assert soak["trainer"][1], soak["trainer"]
+    s = soak["samples"]
+    first, mid, last = s[10], s[SOAK // 2], s[SOAK]
+    # After warm-up, RSS must not grow with the number of refits.
+    assert last["rss"] - mid["rss"] < 32 << 20, s
+    for k in ("threads", "fds", "children", "connections"):
+        assert first[k] == mid[k] == last[k], (k, s)
+    assert len(set(soak["peaks"][1:])) == 1, "staging per refit must not grow"
+    want = run["fresh_v2"] if run["soak_last"] == run["v2"] else run["fresh_v1"]
+    assert run["soak_tokens"] == want
+
+
+def test_trainer_crash_mid_transfer_default_mode_is_never_silent(run):
+    # The trainer dies after round 20 of about 40: some layers already took
+    # their new weights. The worker says so, in the error and in its status.
+    c = run["default"]["crashed"]
+    assert c["exitcode"] == 3
+    assert c["error"] is not None and c["seconds"] < 60
+    assert c["status"]["mixed"]
+    assert "mixes old and new weights until a refit succeeds" in c["error"]
+
+
+def test_trainer_crash_mid_transfer_atomic_mode_keeps_every_old_weight(run):
+    c = run["atomic"]["crashed"]
+    assert c["exitcode"] == 3
+    assert c["error"] is not None and c["seconds"] < 60
+    assert not c["status"]["mixed"]
+    assert c["same_as_before"]
+
+
+@pytest.mark.parametrize("mode", ["default", "atomic"])
+def test_next_refit_after_a_crash_succeeds_without_restarting_the_engine(run, mode):
+    r = run[mode]
+    want = run["fresh_v2"] if r["target"] == run["v2"] else run["fresh_v1"]
+    assert r["retry_tokens"] == want
+    assert not r["status"]["mixed"]
