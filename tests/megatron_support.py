@@ -307,3 +307,86 @@ def load_reference(model, sd: dict[str, torch.Tensor], hf: dict[str, Any], tp: i
 def random_checkpoint(tensors, seed: int = 0) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     return {m.name: torch.randn(m.shape, generator=g, dtype=getattr(torch, m.dtype)) for m in tensors}
+
+
+# -- a real vLLM engine refit from Megatron TP ranks ----------------------------
+
+
+def megatron_trainer(rank: int, address: str, pg_port: int, path: str, world: int) -> dict[str, Any]:
+    """A Megatron TP=``world`` trainer rank holding the checkpoint at ``path``."""
+    import json
+
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from safetensors.torch import load_file
+
+    from reshard.adapters.megatron import megatron_sender
+    from reshard.transport.group import GroupConfig
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{pg_port}", rank=rank, world_size=world)
+    try:
+        cpu_workarounds()
+        with open(os.path.join(path, "config.json")) as f:
+            hf = json.load(f)
+        init_parallel(world, 1, 1, 1)
+        model = build_gpt(hf, tp=world, pp=1, ep=1, etp=1)
+        load_reference(model, load_file(os.path.join(path, "model.safetensors")), hf, world)
+        cfg = GroupConfig(address=address, num_sources=world, num_destinations=1, timeout_s=120, host_store=False)
+        sender = megatron_sender(model, config=cfg, hf_config=hf)
+        try:
+            st = sender.push(1)
+        finally:
+            sender.close()
+        held = sum(t.numel() * t.element_size() for t in model.state_dict().values() if torch.is_tensor(t))
+        ps.destroy_model_parallel()
+        return {"sent": st.exec.bytes_sent, "received": st.exec.bytes_received, "held": held}
+    finally:
+        dist.destroy_process_group()
+
+
+def engine_scenario(rank: int, v1: str, v2: str, address: str, trainers: int) -> dict[str, Any]:
+    """A TP=1 vLLM engine serving ``v1`` refit to ``v2`` by Megatron TP ranks;
+    then vLLM's own reload of ``v2`` as the reference, and a fresh engine's tokens."""
+    import multiprocessing as mp
+
+    from reshard.adapters.vllm.driver import init_workers, pull_workers
+    from tests import procs
+    from tests.vllm_support import fresh_greedy, greedy, make_llm
+
+    out: dict[str, Any] = {"fresh_v2": procs.check(procs.run(fresh_greedy, 1, v2, timeout=300))[0]}
+    llm = make_llm(v1, 1)
+    try:
+        out["before"] = greedy(llm)
+        init_workers(llm, {"address": address, "num_sources": trainers, "num_destinations": 1, "timeout_s": 120})
+        ctx = mp.get_context("spawn")
+        q = ctx.Queue()
+        pg_port = procs.free_port()
+        ps = [
+            ctx.Process(
+                target=procs._entry, args=(megatron_trainer, r, (address, pg_port, v2, trainers), q), daemon=True
+            )
+            for r in range(trainers)
+        ]
+        for p in ps:
+            p.start()
+        llm.collective_rpc("capture_begin")
+        try:
+            out["stats"] = pull_workers(llm, 1)
+            out["error"] = None
+        except Exception as e:
+            out["error"] = str(e)
+        out["digests"] = llm.collective_rpc("capture_end")
+        out["trainers"] = []
+        for _ in ps:
+            _rank, ok, value, err, _secs = q.get(timeout=300)
+            out["trainers"].append(value if ok else {"error": err})
+        for p in ps:
+            p.join(timeout=30)
+        llm.reset_prefix_cache()
+        out["after"] = greedy(llm)
+        llm.collective_rpc("capture_begin")
+        llm.collective_rpc("reload_from", args=(v2,))
+        out["reference_digests"] = llm.collective_rpc("capture_end")
+    finally:
+        del llm
+    return out

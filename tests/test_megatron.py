@@ -395,3 +395,44 @@ def test_plan_rules_for_qkv_match_the_adapter(heads, groups, tp):
         return
     for r in range(tp):
         assert ours[r] == _merged((m.name, s.box) for m, s in expand(side.layout_of(r))), r
+
+
+# -- a real vLLM engine ----------------------------------------------------------
+
+
+@pytest.fixture(scope="module", params=["qwen2", "llama"])
+def engine_run(request, tmp_path_factory):
+    from reshard.tiny import build_tiny_model
+
+    from .megatron_support import engine_scenario
+
+    root = tmp_path_factory.mktemp(f"megatron-vllm-{request.param}")
+    v1 = build_tiny_model(root / "v1", request.param, seed=0)
+    v2 = build_tiny_model(root / "v2", request.param, seed=7)
+    server = procs.StoreServer()
+    out = procs.check(procs.run(engine_scenario, 1, str(v1), str(v2), server.address, 2, timeout=900, daemon=False))
+    return out[0]
+
+
+@pytest.mark.engine
+@pytest.mark.slow
+def test_vllm_engine_refit_from_megatron_tp2(engine_run):
+    r = engine_run
+    assert r["error"] is None, r["error"]
+    assert all("error" not in t for t in r["trainers"]), r["trainers"]
+    # The engine now generates what a fresh engine on the checkpoint does.
+    assert r["before"] != r["fresh_v2"], "the two checkpoints must generate differently"
+    assert r["after"] == r["fresh_v2"]
+    # Every parameter equals what vLLM's own loader makes of the checkpoint.
+    (ours,), (ref,) = r["digests"], r["reference_digests"]
+    extra = ours.keys() - ref.keys()
+    assert extra <= {"lm_head.weight"}  # a tied head is the embedding's own tensor
+    for k in extra:
+        assert ours[k] == ours["model.embed_tokens.weight"]
+    assert not [k for k in ref if ours[k] != ref[k]]
+    # The trainers gathered nothing and each sent at most what it holds.
+    (stats,) = r["stats"]
+    for t in r["trainers"]:
+        assert t["received"] == 0
+        assert 0 < t["sent"] <= t["held"]
+    assert sum(t["sent"] for t in r["trainers"]) == stats["bytes_received"] == stats["kept_bytes"]

@@ -350,12 +350,9 @@ def megatron_pieces(
         if tied and not shared_emb:
             raise ValueError("the checkpoint ties embeddings and LM head; the Megatron model does not")
         for name, t, is_param in _named_tensors(chunk):
-            described = _describe(chunk, name, t, ranks=ranks, cfg=cfg)
-            if described is None:
-                if is_param:
-                    raise ValueError(f"Megatron parameter {name!r} has no checkpoint mapping")
-                continue
-            lt, entries = described
+            if name.startswith("mtp."):
+                continue  # multi-token prediction layers: not in transformers' checkpoint names
+            lt, entries = _describe(chunk, name, t, ranks=ranks, cfg=cfg)
             local = name if len(chunks) == 1 else f"chunk{ci}.{name}"
             dtype = str(t.dtype).removeprefix("torch.")
             for gname, full, regions in entries:
@@ -367,6 +364,8 @@ def megatron_pieces(
                         raise ValueError(f"Megatron parameter {name!r} (global {gname!r}) has no checkpoint mapping")
                     continue
                 kind, names = recipe
+                if kind == "gated" and not getattr(cfg, "gated_linear_unit", False):
+                    raise ValueError(f"{name!r}: only gated (SwiGLU) linear_fc1 layers are supported")
                 if kind == "vocab" and not vocab:
                     raise ValueError("hf_config needs vocab_size to drop Megatron's vocabulary padding")
                 segs = _segments(kind, names, full, cfg, vocab)
@@ -381,13 +380,10 @@ def megatron_pieces(
 _Entry = tuple[str, tuple[int, ...], list[_Region]]
 
 
-def _describe(chunk: Any, name: str, t: Any, *, ranks: MegatronRanks, cfg: Any) -> tuple[Any, list[_Entry]] | None:
-    """(local tensor, [(global name, full shape, regions)]) of one parameter
-    or buffer, or ``None`` for names outside the model's weights (MTP)."""
+def _describe(chunk: Any, name: str, t: Any, *, ranks: MegatronRanks, cfg: Any) -> tuple[Any, list[_Entry]]:
+    """(local tensor, [(global name, full shape, regions)]) of one parameter or buffer."""
     m = _LAYER_NAME.match(name)
     if m is None:
-        if name.startswith("mtp."):
-            return None
         gname, rest, layer = name, name, None
     else:
         layer = chunk.decoder.layers[int(m.group(1))]
