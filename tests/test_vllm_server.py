@@ -8,15 +8,17 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 
 import pytest
 
+from reshard import GroupConfig
 from reshard.tiny import build_tiny_model
 
 from . import procs
-from .vllm_support import MAX_TOKENS, PROMPTS, fresh_greedy, fsdp_trainer
+from .vllm_support import MAX_TOKENS, PROMPTS, fresh_greedy, fsdp_trainer, plain_trainer
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
@@ -29,11 +31,11 @@ def _get(url: str) -> int:
         return 0
 
 
-def _complete(url: str, model: str, prompt: list[int]) -> list[int]:
+def _complete(url: str, model: str, prompt: list[int], max_tokens: int = MAX_TOKENS) -> list[int]:
     body = {
         "model": model,
         "prompt": prompt,
-        "max_tokens": MAX_TOKENS,
+        "max_tokens": max_tokens,
         "temperature": 0,
         "ignore_eos": True,
         "return_token_ids": True,
@@ -119,3 +121,68 @@ def test_http_refit_then_a_completion_on_the_new_weights(server):
 
     after = [_complete(url, model, p) for p in PROMPTS]
     assert after == fresh_v2
+
+
+LONG = 100
+
+
+def _send_all(url: str, model: str, prompts: list[list[int]], done: dict, key: str) -> list[threading.Thread]:
+    """Send each prompt from its own thread; results (or errors) land in ``done[key]``."""
+    done[key] = [None] * len(prompts)
+
+    def one(i: int) -> None:
+        try:
+            done[key][i] = (_complete(url, model, prompts[i], LONG), time.monotonic())
+        except Exception as e:
+            done[key][i] = (f"{type(e).__name__}: {e}", time.monotonic())
+
+    threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    return threads
+
+
+def test_refit_while_requests_generate_pause_swap_resume(server):
+    """Requests in flight when the refit starts finish on the old weights
+    (pause mode ``wait``); requests sent while paused wait and then run on
+    the new weights; none is dropped or corrupted."""
+    from reshard.adapters.vllm.driver import HttpEngine, VllmEngines
+
+    url, model = server["url"], server["model"]
+    prompts = [PROMPTS[0], PROMPTS[1], [7, 8, 9], [40, 41]]
+    old = [_complete(url, model, p, LONG) for p in prompts]  # the weights the server has now
+    target = server["v1"]  # the first test left v2 in the server
+
+    store = procs.StoreServer()
+    cfg = GroupConfig(address=store.address, num_sources=1, num_destinations=1, timeout_s=60, host_store=False)
+    engines = VllmEngines([url])
+    engines.init(cfg)
+    http = engines.engines[0]
+    assert isinstance(http, HttpEngine)
+    trainer = threading.Thread(
+        target=lambda: done.setdefault("trainer", procs.run(plain_trainer, 1, store.address, [target], 1, 1, 0)),
+        daemon=True,
+    )
+    done: dict = {}
+    early = _send_all(url, model, prompts, done, "early")
+    time.sleep(0.2)
+    t_pause = time.monotonic()
+    http.pause("wait")  # returns once the requests in flight are done
+    t_paused = time.monotonic()
+    late = _send_all(url, model, prompts, done, "late")
+    trainer.start()
+    time.sleep(1.0)
+    assert all(r is None for r in done["late"]), "requests must wait while the engine is paused"
+    stats = engines.refit(1)  # pulls, resets the prefix cache, resumes
+    for t in early + late + [trainer]:
+        t.join(timeout=120)
+    assert procs.check(done["trainer"]) == [{"ok": True}]
+    assert stats[0]["ok"]
+
+    in_flight = [t_done for _, t_done in done["early"] if t_done > t_pause]
+    assert in_flight, "no request was still generating when the refit began; the test proves nothing"
+    assert [r for r, _ in done["early"]] == old
+    assert all(t_done >= t_paused for _, t_done in done["late"])
+    new = [_complete(url, model, p, LONG) for p in prompts]
+    assert new != old
+    assert [r for r, _ in done["late"]] == new
