@@ -1,0 +1,286 @@
+"""Drive refits of a running SGLang server over its HTTP API, in one call.
+
+``SglangEngine(url).refit(n, config)`` runs, against one server:
+
+1. ``POST /pause_generation`` (mode ``retract`` by default: running requests
+   go back to the queue and are recomputed with the new weights);
+2. ``POST /begin_weight_update``;
+3. ``POST /update_weights_from_tensor`` with ``load_format`` = the reshard
+   hook and a ``pull`` command: every TP worker pulls its slices of refit
+   ``n`` straight from the trainer ranks (which call ``Sender.push(n)`` at
+   the same time), then SGLang flushes its KV / radix cache;
+4. ``POST /end_weight_update`` (SGLang's post-processing, TP barrier);
+5. reads every worker's reply from the refit store;
+6. ``POST /continue_generation``, unless the refit failed after bytes
+   landed: then the engine stays paused (it would serve a mix of old and
+   new weights) and :class:`MixedWeightsError` says so.
+
+The call blocks until the workers are done, so the trainer side must push
+concurrently: call :meth:`SglangEngine.refit_async` (a future) on one
+trainer rank, then ``sender.push(n)`` on every trainer rank.
+
+The driver needs ``torch`` (to build the payload SGLang unpickles and to
+read the refit store) but not SGLang.
+"""
+
+from __future__ import annotations
+
+import base64
+import concurrent.futures
+import datetime
+import io
+import json
+import time
+import urllib.error
+import urllib.request
+import uuid
+from typing import TYPE_CHECKING, Any
+
+from reshard.adapters.sglang import protocol
+from reshard.adapters.sglang.protocol import Command, GroupSpec, Reply
+from reshard.errors import RefitError, ReshardError
+
+if TYPE_CHECKING:
+    from reshard.transport.group import GroupConfig
+
+__all__ = ["HOOK", "MixedWeightsError", "SglangEngine", "group_spec"]
+
+HOOK = "reshard.adapters.sglang.hook.load"
+"""The custom weight loader to register: ``--custom-weight-loader reshard.adapters.sglang.hook.load``."""
+
+
+class MixedWeightsError(RefitError):
+    """A refit failed after bytes landed in the engine: its weights mix old
+    and new values. The driver left generation paused (``paused``); a
+    successful refit (with a new ``generation``) or :meth:`SglangEngine.resume`
+    ends the pause."""
+
+    paused: bool = True
+
+
+def group_spec(config: GroupConfig, *, engine_offset: int = 0, budget_bytes: int = 256 << 20) -> GroupSpec:
+    """The wire form of ``config`` for the workers of one engine."""
+    return GroupSpec(
+        address=config.address,
+        num_sources=config.num_sources,
+        num_destinations=config.num_destinations,
+        job=config.job,
+        generation=config.generation,
+        timeout_s=config.timeout_s,
+        backend=config.backend,
+        domain=config.domain,
+        engine_offset=engine_offset,
+        budget_bytes=budget_bytes,
+    )
+
+
+def command_payload(cmd: Command) -> str:
+    """Base64 of the pickled ``[(command, empty tensor)]`` SGLang expects per TP rank."""
+    from multiprocessing.reduction import ForkingPickler
+
+    import torch
+    import torch.multiprocessing  # registers the tensor reductions with ForkingPickler
+
+    buf = io.BytesIO()
+    ForkingPickler(buf, 4).dump([(protocol.encode_command(cmd), torch.empty(0))])
+    return base64.b64encode(buf.getvalue()).decode()
+
+
+class SglangEngine:
+    """One SGLang server, started with ``--custom-weight-loader`` :data:`HOOK`."""
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        engine_offset: int = 0,
+        tp_size: int | None = None,
+        api_key: str | None = None,
+        budget_bytes: int = 256 << 20,
+    ) -> None:
+        """``engine_offset``: refit ranks of this engine's workers start at
+        ``num_sources + engine_offset`` (several engines share one refit
+        group). ``tp_size``: read from ``/server_info`` when not given."""
+        self.url = url.rstrip("/")
+        self.engine_offset = engine_offset
+        self.api_key = api_key
+        self.budget_bytes = budget_bytes
+        self._tp_size = tp_size
+        self.paused = False
+        self.last_replies: list[Reply] = []
+
+    # -- HTTP --------------------------------------------------------------------
+
+    def _call(self, method: str, path: str, body: dict | None = None, *, timeout: float = 60.0) -> tuple[int, Any]:
+        data = json.dumps(body).encode() if body is not None else None
+        req = urllib.request.Request(self.url + path, data=data, method=method)
+        req.add_header("Content-Type", "application/json")
+        if self.api_key:
+            req.add_header("Authorization", f"Bearer {self.api_key}")
+        try:
+            with urllib.request.urlopen(req, timeout=timeout) as r:
+                status, raw = r.status, r.read()
+        except urllib.error.HTTPError as e:
+            status, raw = e.code, e.read()
+        except (urllib.error.URLError, TimeoutError, ConnectionError) as e:
+            raise ReshardError(f"SGLang server {self.url}: {method} {path} failed: {e}") from e
+        try:
+            return status, json.loads(raw)
+        except ValueError:
+            return status, raw.decode(errors="replace")
+
+    def _post_ok(self, path: str, body: dict | None = None, *, timeout: float = 60.0) -> tuple[bool, str]:
+        status, out = self._call("POST", path, body if body is not None else {}, timeout=timeout)
+        ok = status == 200 and (not isinstance(out, dict) or out.get("success", True))
+        msg = out.get("message", "") if isinstance(out, dict) else str(out)
+        return ok, msg
+
+    @property
+    def tp_size(self) -> int:
+        if self._tp_size is None:
+            status, info = self._call("GET", "/server_info")
+            if status != 200 or not isinstance(info, dict) or "tp_size" not in info:
+                raise ReshardError(f"SGLang server {self.url}: cannot read tp_size from /server_info ({status})")
+            if int(info.get("pp_size", 1) or 1) != 1 or int(info.get("dp_size", 1) or 1) != 1:
+                raise ReshardError(f"SGLang server {self.url}: only TP is supported (pp_size and dp_size must be 1)")
+            self._tp_size = int(info["tp_size"])
+        return self._tp_size
+
+    def pause(self, mode: str = "retract") -> None:
+        ok, msg = self._post_ok("/pause_generation", {"mode": mode})
+        if not ok:
+            raise ReshardError(f"SGLang server {self.url}: pause_generation failed: {msg}")
+        self.paused = True
+
+    def resume(self) -> None:
+        ok, msg = self._post_ok("/continue_generation", {})
+        if not ok:
+            raise ReshardError(f"SGLang server {self.url}: continue_generation failed: {msg}")
+        self.paused = False
+
+    # -- refits ------------------------------------------------------------------
+
+    def refit(
+        self,
+        refit: int,
+        config: GroupConfig,
+        *,
+        method: str = "reshard",
+        pause: str | None = "retract",
+        flush_cache: bool = True,
+    ) -> list[Reply]:
+        """Refit ``refit`` of every worker of this engine (see the module
+        docstring). ``pause``: ``retract``, ``abort``, ``in_place`` or
+        ``None`` (then the update waits for in-flight requests to finish).
+        Returns every worker's :class:`Reply`; raises :class:`RefitError`
+        (weights unchanged) or :class:`MixedWeightsError`."""
+        spec = group_spec(config, engine_offset=self.engine_offset, budget_bytes=self.budget_bytes)
+        cmd = Command(op="pull", id=uuid.uuid4().hex, group=spec, refit=refit, method=method)
+        return self._run(cmd, pause, flush_cache)
+
+    def refit_async(self, refit: int, config: GroupConfig, **kwargs: Any) -> concurrent.futures.Future[list[Reply]]:
+        """:meth:`refit` in a background thread."""
+        pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="reshard-sglang")
+        fut = pool.submit(self.refit, refit, config, **kwargs)
+        pool.shutdown(wait=False)
+        return fut
+
+    def close(self, config: GroupConfig) -> list[Reply]:
+        """Make every worker leave the refit group (a session of its own)."""
+        spec = group_spec(config, engine_offset=self.engine_offset, budget_bytes=self.budget_bytes)
+        return self._run(Command(op="close", id=uuid.uuid4().hex, group=spec), None, False)
+
+    def _run(self, cmd: Command, pause: str | None, flush_cache: bool) -> list[Reply]:
+        tp = self.tp_size
+        spec = cmd.group
+        if pause:
+            self.pause(pause)
+        ok, msg = self._post_ok("/begin_weight_update", {})
+        if not ok:
+            if pause:
+                self.resume()
+            raise ReshardError(f"SGLang server {self.url}: begin_weight_update failed: {msg}")
+        payload = command_payload(cmd)
+        body = {
+            "serialized_named_tensors": [payload] * tp,
+            "load_format": HOOK,
+            "flush_cache": flush_cache,
+        }
+        # join + plan + transfer + outcome can each take up to the group timeout.
+        http_error = ""
+        try:
+            ok, msg = self._post_ok("/update_weights_from_tensor", body, timeout=4 * spec.timeout_s + 60)
+            if not ok:
+                http_error = msg
+        except ReshardError as e:
+            http_error = str(e)
+        ok_end, msg_end = self._post_ok("/end_weight_update", {})
+        replies = self._replies(cmd, tp, wait_s=5.0 if not http_error else 1.0)
+        self.last_replies = replies
+        bad = [r for r in replies if not r.ok]
+        missing = tp - len(replies)
+        mixed = any(r.mixed for r in replies) or (missing > 0 and cmd.op == "pull")
+        if not bad and not missing and ok_end:
+            # Every worker has the new weights. SGLang fails the update call
+            # when its cache flush was refused (requests still running): retry it.
+            if http_error and flush_cache:
+                ok, msg = self._post_ok("/flush_cache", None)
+                if not ok:
+                    if pause:
+                        self.resume()
+                    raise ReshardError(
+                        f"SGLang server {self.url}: the weights were updated, but the KV cache was not flushed "
+                        f"({http_error}; /flush_cache: {msg})"
+                    )
+            if pause:
+                self.resume()
+            return replies
+        errors: dict[int, str] = {}
+        step = next((r.step for r in bad if r.step), None) or "sglang"
+        for r in bad:
+            errors.update(r.errors or {r.rank: r.error})
+        have = {r.rank for r in replies}
+        for t in range(tp):
+            rank = spec.num_sources + spec.engine_offset + t
+            if rank not in have:
+                errors[rank] = f"TP worker {t} posted no reply (SGLang: {http_error or 'no error'})"
+        if http_error and not errors:
+            errors[spec.num_sources + spec.engine_offset] = f"update_weights_from_tensor: {http_error}"
+        if not ok_end:
+            errors.setdefault(spec.num_sources + spec.engine_offset, f"end_weight_update: {msg_end}")
+        if mixed:
+            err = MixedWeightsError(step, errors, version=cmd.refit or None)
+            err.paused = bool(pause)
+            raise err
+        if pause:
+            self.resume()
+        raise RefitError(step, errors, version=cmd.refit or None)
+
+    def _replies(self, cmd: Command, tp: int, *, wait_s: float) -> list[Reply]:
+        from torch.distributed import PrefixStore, TCPStore
+
+        spec = cmd.group
+        host, _, port = spec.address.rpartition(":")
+        try:
+            tcp = TCPStore(
+                host,
+                int(port),
+                None,
+                False,
+                timeout=datetime.timedelta(seconds=30),
+                wait_for_workers=False,
+                use_libuv=True,
+            )
+        except Exception as e:
+            raise ReshardError(f"cannot reach the refit store at {spec.address} to read the replies: {e}") from e
+        store = PrefixStore(protocol.reply_prefix(spec.job), tcp)
+        keys = [protocol.reply_key(cmd.id, spec.num_sources + spec.engine_offset + t) for t in range(tp)]
+        deadline = time.monotonic() + wait_s
+        while not store.check(keys) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        out = []
+        for k in keys:
+            if store.check([k]):
+                out.append(protocol.reply_decoder.decode(store.get(k)))
+                store.delete_key(k)
+        return out

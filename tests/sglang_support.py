@@ -1,0 +1,262 @@
+"""Helpers for the SGLang tests (run in the main venv): SGLang servers in the
+SGLang venv, FSDP2 trainer ranks, and one refit with both sides running.
+
+Servers run ``python -m tests.sglang_serve`` with the SGLang venv's Python
+(torch 2.14.1); trainer ranks are spawned processes of this venv (torch
+2.13); they meet in one gloo refit group.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from reshard.adapters.sglang import HOOK, SglangEngine
+
+REPO = Path(__file__).resolve().parents[1]
+PROMPTS = [[5, 6, 7, 8, 9], [11, 12, 13, 4, 200, 31]]
+MAX_TOKENS = 12
+
+
+def sglang_python() -> Path | None:
+    """The SGLang venv's Python: ``$RESHARD_SGLANG_VENV`` or ``.venv-sglang``."""
+    venv = Path(os.environ.get("RESHARD_SGLANG_VENV") or REPO / ".venv-sglang")
+    py = venv / "bin" / "python"
+    return py if py.exists() else None
+
+
+def _http(method: str, url: str, body: Any = None, timeout: float = 120.0) -> tuple[int, Any]:
+    data = json.dumps(body).encode() if body is not None else None
+    req = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            status, raw = r.status, r.read()
+    except urllib.error.HTTPError as e:
+        status, raw = e.code, e.read()
+    try:
+        return status, json.loads(raw)
+    except ValueError:
+        return status, raw.decode(errors="replace")
+
+
+def _first(x: Any) -> Any:
+    return x[0] if isinstance(x, list) else x
+
+
+class Server:
+    """``python -m tests.sglang_serve`` on a tiny model, on CPU, with the reshard hook."""
+
+    def __init__(self, python: Path, model: str | os.PathLike, *, tp: int, port: int, log: Path) -> None:
+        self.url = f"http://127.0.0.1:{port}"
+        self.tp = tp
+        self.log = log
+        args = [
+            str(python), "-m", "tests.sglang_serve",
+            "--model-path", str(model), "--device", "cpu", "--tp-size", str(tp), "--dtype", "float32",
+            "--attention-backend", "torch_native", "--sampling-backend", "pytorch", "--disable-cuda-graph",
+            "--mem-fraction-static", "0.05", "--max-total-tokens", "2048", "--max-running-requests", "4",
+            "--chunked-prefill-size", "512", "--skip-server-warmup", "--random-seed", "0",
+            "--log-level", "warning", "--host", "127.0.0.1", "--port", str(port),
+            "--custom-weight-loader", HOOK,
+        ]  # fmt: skip
+        env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+        env.pop("SGLANG_USE_CPU_ENGINE", None)
+        if tp > 1:
+            env["RESHARD_SGLANG_CPU_TP"] = "1"
+            env["SGLANG_CPU_OMP_THREADS_BIND"] = "|".join(str(i % (os.cpu_count() or 1)) for i in range(tp))
+        self._logf = open(log, "wb")  # noqa: SIM115 (closed in stop)
+        self.proc = subprocess.Popen(
+            args, cwd=REPO, env=env, stdout=self._logf, stderr=subprocess.STDOUT, start_new_session=True
+        )
+
+    def log_tail(self, n: int = 4000) -> str:
+        try:
+            return self.log.read_text(errors="replace")[-n:]
+        except OSError:
+            return ""
+
+    def wait_ready(self, timeout: float = 300.0) -> float:
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < timeout:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"SGLang server exited with {self.proc.returncode}:\n{self.log_tail()}")
+            try:
+                status, _ = _http("GET", self.url + "/health_generate", timeout=30)
+                if status == 200:
+                    return time.monotonic() - t0
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                pass
+            time.sleep(0.5)
+        raise RuntimeError(f"SGLang server not ready after {timeout}s:\n{self.log_tail()}")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        self._logf.close()
+
+    def generate(self, prompts=PROMPTS, max_tokens: int = MAX_TOKENS) -> list[list[int]]:
+        body = {
+            "input_ids": prompts,
+            "sampling_params": {"temperature": 0.0, "max_new_tokens": max_tokens, "ignore_eos": True},
+        }
+        status, out = _http("POST", self.url + "/generate", body, timeout=300)
+        if status != 200:
+            raise RuntimeError(f"generate: {status} {out}")
+        return [o["output_ids"] for o in out]
+
+    def checksums(self) -> list[dict[str, str]]:
+        """Per TP rank, SGLang's own checksum of every parameter (``/weights_checker``)."""
+        status, out = _http("POST", self.url + "/weights_checker", {"action": "checksum"})
+        if status != 200:
+            raise RuntimeError(f"weights_checker: {status} {out}")
+        ranks = [r for r in out.get("ranks") or [] if isinstance(r, dict) and "checksums" in r]
+        if len(ranks) != self.tp:
+            raise RuntimeError(f"weights_checker: unexpected reply {str(out)[:2000]}")
+        # SGLang 0.5.23 sends parallelism_info as a one-element list.
+        ranks.sort(key=lambda r: _first(r["parallelism_info"])["tp_rank"])
+        return [r["checksums"] for r in ranks]
+
+    def load_from_disk(self, path: str | os.PathLike) -> None:
+        """SGLang's own refit from a checkpoint (``model.load_weights``): the reference."""
+        status, out = _http("POST", self.url + "/update_weights_from_disk", {"model_path": str(path)}, timeout=300)
+        if status != 200 or not out.get("success"):
+            raise RuntimeError(f"update_weights_from_disk: {status} {out}")
+
+
+def _trainer_loop(rank: int, world: int, pg_port: int, inbox, outbox) -> None:
+    """One trainer rank that serves refits until it reads ``None``: each
+    builds the checkpoint under FSDP2 over ``world`` ranks and pushes it."""
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from transformers import AutoModelForCausalLM
+
+    from reshard import GroupConfig, Sender
+    from reshard.sender import default_rename
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(pg_port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    mesh = init_device_mesh("cpu", (world,))
+    try:
+        while (job := inbox.get()) is not None:
+            path, config, refit, mutate = job
+            try:
+                model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+                if mutate == "shape":
+                    # A trainer whose model disagrees with the engine's on one tensor.
+                    model.model.norm.weight = torch.nn.Parameter(torch.zeros(model.model.norm.weight.shape[0] + 1))
+                for layer in model.model.layers:
+                    fully_shard(layer, mesh=mesh)
+                fully_shard(model, mesh=mesh)
+
+                def rename(n: str, mutate: str = mutate) -> str | None:
+                    if mutate == "missing" and n == "model.layers.1.post_attention_layernorm.weight":
+                        return None
+                    return default_rename(n)
+
+                sender = Sender(model, config=GroupConfig(**config), rename=rename)
+                try:
+                    st = sender.push(refit)
+                    outbox.put((rank, {"ok": True, "sent": st.exec.bytes_sent}))
+                finally:
+                    sender.close()
+            except Exception as e:
+                outbox.put((rank, {"ok": False, "error": str(e), "step": getattr(e, "step", None)}))
+    finally:
+        dist.destroy_process_group()
+
+
+class Trainers:
+    """``world`` FSDP2 trainer ranks (spawned once, this venv's torch) that
+    push a checkpoint on request."""
+
+    def __init__(self, world: int = 2) -> None:
+        import multiprocessing as mp
+
+        from tests import procs
+
+        ctx = mp.get_context("spawn")
+        self.world = world
+        self.outbox = ctx.Queue()
+        self.inboxes = [ctx.Queue() for _ in range(world)]
+        port = procs.free_port()
+        self.procs = [
+            ctx.Process(target=_trainer_loop, args=(r, world, port, self.inboxes[r], self.outbox), daemon=True)
+            for r in range(world)
+        ]
+        for p in self.procs:
+            p.start()
+
+    def start_push(self, path: str | os.PathLike, config: dict[str, Any], refit: int, mutate: str = "") -> None:
+        for q in self.inboxes:
+            q.put((str(path), config, refit, mutate))
+
+    def results(self, timeout: float = 240.0) -> list[dict[str, Any]]:
+        out: dict[int, dict[str, Any]] = {}
+        for _ in range(self.world):
+            rank, value = self.outbox.get(timeout=timeout)
+            out[rank] = value
+        return [out[r] for r in range(self.world)]
+
+    def close(self) -> None:
+        for q in self.inboxes:
+            q.put(None)
+        for p in self.procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+
+
+def refit_with_trainers(
+    server: Server,
+    trainers: Trainers,
+    address: str,
+    path: str | os.PathLike,
+    *,
+    refit: int,
+    generation: int,
+    mutate: str = "",
+) -> dict[str, Any]:
+    """One refit: the trainer ranks push while the driver drives the server."""
+    from reshard import GroupConfig
+
+    config = dict(
+        address=address,
+        num_sources=trainers.world,
+        num_destinations=server.tp,
+        timeout_s=60,
+        host_store=False,
+        generation=generation,
+    )
+    trainers.start_push(path, config, refit, mutate)
+    engine = SglangEngine(server.url)
+    t0 = time.monotonic()
+    error: BaseException | None = None
+    replies = None
+    try:
+        replies = engine.refit(refit, GroupConfig(**config))
+    except Exception as e:
+        error = e
+    seconds = time.monotonic() - t0
+    return {
+        "replies": replies,
+        "error": error,
+        "trainers": trainers.results(),
+        "seconds": seconds,
+        "paused": engine.paused,
+    }
