@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 import msgspec
 
-__all__ = ["PlanError", "Problem", "RefitError", "ReshardError"]
+__all__ = ["MetadataError", "PlanError", "Problem", "RefitError", "ReshardError"]
 
 
 class ReshardError(RuntimeError):
@@ -43,17 +43,26 @@ class PlanError(ReshardError, ValueError):
         super().__init__(f"refit plan rejected ({len(self.problems)} problem(s)):\n" + "\n".join(lines))
 
 
+class MetadataError(ReshardError, ValueError):
+    """Refit metadata read from the store is malformed, too large, of a newer
+    wire version, or fails authentication (another job token)."""
+
+
 class RefitError(ReshardError):
     """A refit step failed on one or more ranks; raised on every rank.
 
     ``errors`` maps rank to that rank's error text; ``step`` names the step
-    (``join``, ``layout``, ``plan``, ``transfer``, ``commit``).
+    (``join``, ``layout``, ``enter``, ``version``, ``plan``, ``transfer``,
+    ``commit``). ``agreed``: every rank reported and raises this same error
+    (a rejection before any byte moved, like a bad layout or a stale refit
+    number); otherwise a rank failed or went missing.
     """
 
-    def __init__(self, step: str, errors: dict[int, str], *, version: int | None = None) -> None:
+    def __init__(self, step: str, errors: dict[int, str], *, version: int | None = None, agreed: bool = False) -> None:
         self.step = step
         self.errors = dict(sorted(errors.items()))
         self.version = version
+        self.agreed = agreed
         head = f"refit {'v' + str(version) + ' ' if version is not None else ''}failed at step {step!r}"
         # Ranks that report the same thing are listed once.
         by_message: dict[str, list[int]] = {}

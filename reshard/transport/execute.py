@@ -11,6 +11,16 @@ through a staging arena whose size the plan fixes in advance
 Messages of a round are posted together (one NCCL group) and waited on;
 a forward reads what this rank received in an earlier round.
 
+Integrity (``checksums=True``, every rank alike): with each round, a sender
+sends every peer one more small message (tag: the number of messages) with
+a checksum of each message it sent, taken from the bytes it posted; the
+receiver checks what arrived before it unpacks anything and raises
+:class:`RefitError` naming the message's tensors, boxes and both ranks.
+Checksums are CRC-32 (zlib) for gloo, where buffers are in host memory, and a
+position-weighted 64-bit Fletcher sum computed on the device for NCCL. A
+leader checks what it received before it forwards it, and checksums what it
+forwards afresh.
+
 Failure: if a round fails or another rank signals an abort, the executor
 raises at once (its waits run in a helper thread so the store can be
 watched), and the caller closes the group so peers blocked on this rank
@@ -22,6 +32,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import re
 import time
+import zlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -34,13 +45,19 @@ if TYPE_CHECKING:
 
     from reshard.transport.group import RefitGroup
 
-__all__ = ["BIG_BYTES", "ExecStats", "Executor", "messages", "staging_need"]
+__all__ = ["BIG_BYTES", "ExecStats", "Executor", "checksum", "messages", "staging_need"]
 
 BIG_BYTES = 1 << 20
 """Transfers at least this large travel as their own message."""
 
 _ALIGN = 64
 _GLOO_SOURCE = re.compile(r"\[[^\]]*\.cc:\d+\] ")
+_FLETCHER_CHUNK = 1 << 24
+
+tamper: Callable[[int, int, int, torch.Tensor], torch.Tensor] | None = None
+"""Test hook: ``tamper(rank, peer, tag, buf)`` returns the bytes to send in
+place of ``buf``, after their checksum was taken (tests corrupt a message in
+flight with it). ``None`` in normal use."""
 
 
 def _align(n: int) -> int:
@@ -115,6 +132,46 @@ def _round_staging(rnd: Round, rank: int, big_bytes: int) -> tuple[int, dict]:
     return total, offsets
 
 
+def checksum(buf: torch.Tensor, backend: str) -> torch.Tensor:
+    """Checksum of a message (a 1-D uint8 tensor): two int64.
+
+    gloo (host memory): ``[CRC-32, length]``. NCCL (device memory): a
+    Fletcher-style pair ``[sum w_i, sum i * w_i]`` over 32-bit words ``w_i``
+    (then the tail bytes) with 64-bit wraparound, which is independent of
+    the order of the reduction, so both sides agree; it catches any change
+    of one word and any swap of two different words.
+    """
+    import torch
+
+    n = buf.numel()
+    if backend != "nccl":
+        host = buf.detach().cpu() if buf.device.type != "cpu" else buf.detach()
+        return torch.tensor([zlib.crc32(host.numpy().data), n], dtype=torch.int64)
+    b = buf.detach()
+    head = n - n % 4
+    if b.data_ptr() % 4:
+        b = b.clone()
+    a = torch.zeros((), dtype=torch.int64, device=b.device)
+    w = torch.zeros((), dtype=torch.int64, device=b.device)
+    words = b[:head].view(torch.int32)
+    for start in range(0, words.numel(), _FLETCHER_CHUNK):
+        x = words[start : start + _FLETCHER_CHUNK].to(torch.int64)
+        idx = torch.arange(start + 1, start + 1 + x.numel(), dtype=torch.int64, device=b.device)
+        a += x.sum()
+        w += (x * idx).sum()
+    if head < n:
+        x = b[head:].to(torch.int64)
+        idx = torch.arange(head + 1, n + 1, dtype=torch.int64, device=b.device)
+        a += x.sum()
+        w += (x * idx).sum()
+    return torch.stack([a, w])
+
+
+def _describe(msg: list[Transfer], limit: int = 3) -> str:
+    text = ", ".join(f"{t.tensor!r}{t.box}" for t in msg[:limit])
+    return text + (f" and {len(msg) - limit} more" if len(msg) > limit else "")
+
+
 @dataclass(slots=True)
 class _Pending:
     """A round whose messages are posted but not yet waited on."""
@@ -123,6 +180,9 @@ class _Pending:
     recv_ops: list
     works: list
     staging: int
+    sums_in: dict = field(default_factory=dict)
+    """peer -> the tensor the peer's checksums arrive in (``checksums=True``)."""
+    keep: list = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -140,6 +200,8 @@ class ExecStats:
     seconds: float = 0.0
     recv_by_peer: dict[int, int] = field(default_factory=dict)
     send_by_peer: dict[int, int] = field(default_factory=dict)
+    checksum_seconds: float = 0.0
+    """Time spent taking and checking checksums (``checksums=True``)."""
 
     def as_dict(self) -> dict:
         return {k: getattr(self, k) for k in self.__slots__}
@@ -166,9 +228,12 @@ class Executor:
         device: torch.device | str = "cpu",
         after_round: Callable[[int], None] | None = None,
         refit: int = 0,
+        checksums: bool = False,
     ) -> None:
         import torch
 
+        self.checksums = checksums
+        self._stats: ExecStats | None = None
         self.group = group
         self.plan = plan
         self.sources = sources if sources is not None else {}
@@ -240,6 +305,7 @@ class Executor:
         forwards what round ``k`` brings; rounds use alternate halves of the
         arena."""
         stats = ExecStats(rank=self.plan.rank)
+        self._stats = stats
         t0 = time.perf_counter()
         half = staging_need(self.plan, self.big_bytes, pipelined=False)
         pending: _Pending | None = None
@@ -263,6 +329,8 @@ class Executor:
 
     def _finish(self, p: _Pending, stats: ExecStats) -> None:
         self._wait(p)
+        if self.checksums:
+            self._verify(p, stats)
         # Unpack staged receives.
         for buf, _peer, _i, msg, staged in p.recv_ops:
             if not staged:
@@ -327,8 +395,18 @@ class Executor:
         if self.group.backend != "nccl":
             # Messages carry their index as tag, so gloo matches them in any order.
             send_ops.sort(key=lambda x: x[0])
-        works = self._post([(b, p, i) for b, p, i, _, _ in recv_ops], [(p, i, make) for _, p, i, make in send_ops])
-        return _Pending(rnd, recv_ops, works, staging_bytes)
+        sums_in: dict[int, torch.Tensor] = {}
+        if self.checksums:
+            import torch
+
+            for peer in sorted(rnd.recvs):
+                n = len(messages(rnd.recvs[peer], self.big_bytes))
+                sums_in[peer] = torch.empty((n, 2), dtype=torch.int64, device=self.device)
+        keep: list = []
+        works = self._post(
+            [(b, p, i) for b, p, i, _, _ in recv_ops], [(p, i, make) for _, p, i, make in send_ops], sums_in, keep
+        )
+        return _Pending(rnd, recv_ops, works, staging_bytes, sums_in, keep)
 
     def _packer(self, msg: list[Transfer], off: int, n: int) -> Callable[[], torch.Tensor]:
         def pack() -> torch.Tensor:
@@ -358,8 +436,9 @@ class Executor:
 
         return pack
 
-    def _post(self, recvs: list, sends: list) -> list:
-        """Post one round's receives and sends (one NCCL group)."""
+    def _post(self, recvs: list, sends: list, sums_in: dict, keep: list) -> list:
+        """Post one round's receives and sends (one NCCL group); with checksums,
+        each peer's checksum message follows its data messages."""
         if not recvs and not sends:
             return []
         group = self.group
@@ -372,11 +451,64 @@ class Executor:
             pg._start_coalescing(self.device)
         for buf, peer, tag in recvs:
             works.append(pg.recv([buf], peer, tag))
+        for peer, buf in sums_in.items():
+            works.append(pg.recv([buf], peer, buf.shape[0]))
+        sums_out: dict[int, dict[int, torch.Tensor]] = {}
         for peer, tag, make in sends:
-            works.append(pg.send([make()], peer, tag))
+            buf = make()
+            if self.checksums:
+                t0 = time.perf_counter()
+                sums_out.setdefault(peer, {})[tag] = checksum(buf, group.backend)
+                assert self._stats is not None
+                self._stats.checksum_seconds += time.perf_counter() - t0
+            if tamper is not None:
+                buf = tamper(self.plan.rank, peer, tag, buf)
+                keep.append(buf)
+            works.append(pg.send([buf], peer, tag))
+        if sums_out:
+            import torch
+
+            for peer, by_tag in sums_out.items():
+                table = torch.stack([by_tag[i] for i in range(len(by_tag))]).to(self.device)
+                keep.append(table)
+                works.append(pg.send([table], peer, len(by_tag)))
         if nccl:
             works = [pg._end_coalescing(self.device)]
         return works
+
+    def _verify(self, p: _Pending, stats: ExecStats) -> None:
+        """Check every message of a finished round against its sender's checksum."""
+        import torch
+
+        if not p.sums_in:
+            return
+        t0 = time.perf_counter()
+        backend = self.group.backend
+        got: dict[int, list[torch.Tensor]] = {}
+        for buf, peer, _i, _msg, _staged in p.recv_ops:
+            got.setdefault(peer, []).append(checksum(buf, backend))
+        bad = []
+        for peer, sent in p.sums_in.items():
+            mine = torch.stack(got.get(peer, [])).to(sent.device) if got.get(peer) else sent[:0]
+            if mine.shape != sent.shape:
+                bad.append(f"rank {peer} sent checksums for {sent.shape[0]} messages, {mine.shape[0]} arrived")
+                continue
+            diff = (mine != sent).any(dim=1).nonzero().flatten().tolist()
+            msgs = messages(p.round.recvs[peer], self.big_bytes)
+            for i in diff:
+                bad.append(
+                    f"message {i} from rank {peer} to rank {self.plan.rank} ({_describe(msgs[i])}; "
+                    f"{packed_size(msgs[i])} bytes) arrived corrupted (checksum {sent[i].tolist()} sent, "
+                    f"{mine[i].tolist()} received)"
+                )
+        stats.checksum_seconds += time.perf_counter() - t0
+        if bad:
+            more = f"; and {len(bad) - 3} more" if len(bad) > 3 else ""
+            raise RefitError(
+                "transfer",
+                {self.plan.rank: f"checksum mismatch in round {p.round.index}: " + "; ".join(bad[:3]) + more},
+                version=self.refit,
+            )
 
     def _wait(self, p: _Pending) -> None:
         """Wait for a round's messages, watching the store for an abort and the

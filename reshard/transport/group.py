@@ -1,45 +1,69 @@
 """The refit group: one process group spanning every trainer rank and every
 engine worker, created from a TCPStore, never touching the default group.
 
-Rendezvous is one address (``host:port``) plus a job name: every key lives
-under ``PrefixStore("reshard/<job>", TCPStore(host, port))``. Trainer ranks
-take refit ranks ``0 .. S-1``, engine workers ``S .. S+D-1``; ranks join in
-any order within the timeout. The process group is a c10d
+Rendezvous is one address (``host:port``), a job name and a job token.
+Every key lives under ``reshard/<job>/g<generation>/<namespace>/e<epoch>``
+on ``TCPStore(host, port)``: the namespace is derived from the token
+(:mod:`reshard.transport.auth`), and every value reshard writes there is
+sealed (encrypted and authenticated) with keys derived from it. Trainer
+ranks take refit ranks ``0 .. S-1``, engine workers ``S .. S+D-1``; ranks
+join in any order within the timeout. The process group is a c10d
 ``ProcessGroupGloo`` (CPU tensors) or ``ProcessGroupNCCL`` (CUDA tensors)
 built directly on that store: engines and trainers keep their own default
 groups untouched.
 
+**Epochs** rebuild a group after a failure without anyone choosing a new
+generation. Each rank claims a slot (``store.add``) in the current epoch when
+it joins; a rank that finds its slot already taken (it joined this epoch
+before and the group failed since, or it is a restarted process) moves the
+job to the next epoch (``compare_set``, so concurrent movers agree), and
+ranks still in an older epoch follow as soon as they notice (at the start of
+their next refit, or while they wait for one). A group that failed is never
+reused: fresh keys, fresh connections.
+
 Call order (every rank):
 
-1. :meth:`RefitGroup.join` - connect, announce, wait for all ranks, build the
-   process group. A rank that never joins makes every other rank raise
-   :class:`RefitError` (step ``join``) naming it, within the timeout.
-2. :meth:`RefitGroup.agree` for each step of each refit: every rank posts its
-   :class:`Status` and reads everyone's, so one rank's error reaches all.
-3. :meth:`RefitGroup.close` when done, or after a failed transfer (the group
-   cannot be reused then; join a new one, with a new ``generation``).
+1. :meth:`RefitGroup.join` - connect, check the token, claim a slot,
+   announce, wait for all ranks, build the process group. A rank that never
+   joins makes every other rank raise :class:`RefitError` (step ``join``)
+   naming it, within the timeout.
+2. For each refit, :meth:`RefitGroup.begin`, then :meth:`RefitGroup.agree`
+   for each step: every rank posts its :class:`Status` and reads everyone's,
+   so one rank's error reaches all.
+3. :meth:`RefitGroup.close` when done, or after a failed transfer (the next
+   join rebuilds the group in a new epoch).
 """
 
 from __future__ import annotations
 
 import contextlib
 import datetime
+import ipaddress
+import logging
 import os
 import socket
+import threading
 import time
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from reshard.errors import RefitError
+from reshard.errors import MetadataError, RefitError
 from reshard.transport import wire
+from reshard.transport.auth import JobKeys, job_keys
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["GroupConfig", "RefitGroup"]
+__all__ = ["ABORT_GRACE_S", "GroupConfig", "RefitGroup", "serve_store"]
+
+log = logging.getLogger(__name__)
 
 _POLL_MAX_S = 0.02
+_WATCH_S = 0.1
+"""How often a wait also checks the abort key and the epoch."""
+ABORT_GRACE_S = 10.0
+"""After an abort, how long an agreement waits for the other ranks' statuses."""
+_SEAL_OVERHEAD = 64
 
 
 @dataclass(kw_only=True, slots=True)
@@ -55,7 +79,8 @@ class GroupConfig:
     job: str = "reshard"
     """Name that keeps this job's keys apart from other users of the store."""
     generation: int = 0
-    """Bumped to rebuild the group after a failure (fresh keys, fresh connections)."""
+    """A fresh namespace on the store; groups are also rebuilt automatically
+    after a failure (epochs), so bumping it is never required."""
     timeout_s: float = 300.0
     """Bound on every wait: joining, agreeing on a step, each transfer round."""
     backend: str = "auto"
@@ -64,6 +89,16 @@ class GroupConfig:
     """Host the TCPStore in this process; ``None``: refit rank 0 hosts it."""
     domain: str | None = None
     """This rank's fast-fabric domain label; ``None``: ``$RESHARD_DOMAIN``, else the hostname."""
+    token: str | None = field(default=None, repr=False)
+    """Shared secret of the job; ``None``: ``$RESHARD_TOKEN``, else no token.
+    Ranks with different tokens refuse each other (see ``docs/security.md``)."""
+    checksums: bool = False
+    """Verify every message of a refit with a checksum (every rank must agree)."""
+    store_bind: str | None = None
+    """Address the store hosted by this process listens on. ``None``: the
+    host of ``address``; ``"0.0.0.0"`` or ``"::"``: every interface."""
+    max_metadata_bytes: int = wire.MAX_MESSAGE_BYTES
+    """Largest metadata message (layout, table, status) a rank accepts."""
 
     def __post_init__(self) -> None:
         host, sep, port = self.address.rpartition(":")
@@ -80,6 +115,14 @@ class GroupConfig:
             raise ValueError(f"backend must be auto, gloo or nccl, got {self.backend!r}")
         if not self.job or "/" in self.job:
             raise ValueError(f"job name {self.job!r} must be non-empty and contain no '/'")
+        if self.generation < 0:
+            raise ValueError(f"generation must be >= 0, got {self.generation}")
+        if self.token is None:
+            self.token = os.environ.get("RESHARD_TOKEN") or None
+        elif not isinstance(self.token, str) or not self.token:
+            raise ValueError("token must be a non-empty string, or None to read $RESHARD_TOKEN")
+        if self.max_metadata_bytes <= 0:
+            raise ValueError(f"max_metadata_bytes must be positive, got {self.max_metadata_bytes}")
 
     @property
     def world_size(self) -> int:
@@ -94,6 +137,120 @@ class GroupConfig:
         return int(self.address.rpartition(":")[2])
 
 
+# -- the store ------------------------------------------------------------------
+
+_SERVERS: dict[int, Any] = {}
+_SERVERS_LOCK = threading.Lock()
+
+
+def serve_store(config: GroupConfig) -> Any:
+    """The TCPStore server for ``config.address`` hosted by this process.
+
+    Created once per port and kept for the life of the process, so a group
+    rebuilt after a failure (or a new generation) reuses it. It listens on
+    ``config.store_bind`` (default: the address's host) only: torch's
+    ``TCPStore(host, port, is_master=True)`` listens on every interface
+    whatever ``host`` says, so reshard binds the socket itself and hands it
+    over (``master_listen_fd``).
+    """
+    import torch.distributed as dist
+
+    with _SERVERS_LOCK:
+        server = _SERVERS.get(config.port)
+        if server is not None:
+            return server
+        timeout = datetime.timedelta(seconds=config.timeout_s)
+        bind = _bind_host(config)
+        if bind is None:
+            server = dist.TCPStore(
+                config.host, config.port, None, True, timeout=timeout, wait_for_workers=False, use_libuv=True
+            )
+        else:
+            info = socket.getaddrinfo(bind, config.port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+            sock = socket.socket(info[0], socket.SOCK_STREAM)
+            try:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                sock.bind(info[4])
+                sock.listen(2048)
+            except OSError:
+                sock.close()
+                raise
+            fd = sock.detach()  # the store owns (and closes) the socket from here on
+            try:
+                server = dist.TCPStore(
+                    config.host,
+                    config.port,
+                    None,
+                    True,
+                    timeout=timeout,
+                    wait_for_workers=False,
+                    master_listen_fd=fd,
+                    use_libuv=True,
+                )
+            except Exception:
+                os.close(fd)
+                raise
+        _SERVERS[config.port] = server
+        return server
+
+
+def _bind_host(config: GroupConfig) -> str | None:
+    """The address the hosted store listens on; ``None``: every interface."""
+    bind = config.store_bind
+    if bind is not None:
+        return None if bind in ("", "0.0.0.0", "::", "*") else bind
+    host = config.host
+    try:
+        literal = ipaddress.ip_address(host)
+    except ValueError:
+        literal = None
+    if literal is not None:
+        return None if literal.is_unspecified else host
+    addr = str(socket.getaddrinfo(host, config.port, type=socket.SOCK_STREAM)[0][4][0])
+    if ipaddress.ip_address(addr).is_loopback and host != "localhost":
+        # A hostname that resolves to loopback here (Debian's 127.0.1.1 entry)
+        # may be how other hosts reach this one through DNS: binding to it
+        # would lock them out. Listen everywhere, as torch does, and say so.
+        log.warning(
+            "refit store: %s resolves to %s on this host; listening on every interface "
+            "(set GroupConfig.store_bind to choose)",
+            host,
+            addr,
+        )
+        return None
+    return addr
+
+
+def _connect(config: GroupConfig, rank: int) -> Any:
+    from torch.distributed import TCPStore
+
+    host_store = config.host_store if config.host_store is not None else rank == 0
+    try:
+        if host_store:
+            return serve_store(config)
+        return TCPStore(
+            config.host,
+            config.port,
+            None,
+            False,
+            timeout=datetime.timedelta(seconds=config.timeout_s),
+            wait_for_workers=False,
+            use_libuv=True,
+        )
+    except Exception as e:
+        what = "host" if host_store else "reach"
+        raise RefitError(
+            "join", {rank: f"cannot {what} the refit store at {config.address} within {config.timeout_s}s: {e}"}
+        ) from e
+
+
+class EpochMoved(RefitError):
+    """Another rank rebuilt the group (a newer epoch) while this one waited."""
+
+
+# -- the group -------------------------------------------------------------------
+
+
 @dataclass(slots=True)
 class RefitGroup:
     """A joined refit group (see the module docstring for the call order)."""
@@ -102,9 +259,15 @@ class RefitGroup:
     rank: int
     role: str
     store: Any
+    """The raw c10d store of this epoch (process groups rendezvous on it)."""
     pg: Any
     backend: str
     hellos: dict[int, wire.Hello] = field(default_factory=dict)
+    keys: JobKeys | None = None
+    epoch: int = 0
+    seq: int = 0
+    """Refits begun on this group; keys of a refit's steps carry it."""
+    _ns: Any = None
     _tcp_store: Any = None
 
     # -- joining -------------------------------------------------------------
@@ -112,7 +275,7 @@ class RefitGroup:
     @classmethod
     def join(cls, config: GroupConfig, *, rank: int, device: torch.device | str = "cpu") -> RefitGroup:
         import torch
-        from torch.distributed import PrefixStore, TCPStore
+        from torch.distributed import PrefixStore
 
         if not 0 <= rank < config.world_size:
             raise ValueError(f"refit rank {rank} outside 0..{config.world_size - 1}")
@@ -121,35 +284,82 @@ class RefitGroup:
         backend = config.backend
         if backend == "auto":
             backend = "nccl" if dev.type == "cuda" else "gloo"
-        host_store = config.host_store if config.host_store is not None else rank == 0
         timeout = datetime.timedelta(seconds=config.timeout_s)
-        try:
-            tcp = TCPStore(
-                config.host, config.port, None, host_store, timeout=timeout, wait_for_workers=False, use_libuv=True
-            )
-        except Exception as e:
-            raise RefitError(
-                "join", {rank: f"cannot reach the refit store at {config.address} within {config.timeout_s}s: {e}"}
-            ) from e
-        store = PrefixStore(f"reshard/{config.job}/g{config.generation}", tcp)
+        keys = job_keys(config.token, config.job, config.generation)
+        deadline = time.monotonic() + config.timeout_s
+        tcp = _connect(config, rank)
         domain = config.domain or os.environ.get("RESHARD_DOMAIN") or socket.gethostname()
         hello = wire.Hello(
-            rank=rank, role=role, domain=domain, host=socket.gethostname(), pid=os.getpid(), device=str(dev)
+            rank=rank,
+            role=role,
+            domain=domain,
+            host=socket.gethostname(),
+            pid=os.getpid(),
+            device=str(dev),
+            checksums=config.checksums,
         )
-        store.set(f"hello/{rank}", wire.encode(hello))  # type: ignore[arg-type]
-        group = cls(config=config, rank=rank, role=role, store=store, pg=None, backend=backend, _tcp_store=tcp)
-        keys = [f"hello/{r}" for r in range(config.world_size)]
-        missing = group._wait_keys(keys, time.monotonic() + config.timeout_s)
+        hello_keys = [f"hello/{r}" for r in range(config.world_size)]
+        try:
+            base = PrefixStore(f"reshard/{config.job}/g{config.generation}", tcp)
+            # The first rank to join fixes the job's token; a rank with another
+            # one is refused here instead of waiting for peers it cannot see.
+            first = bytes(base.compare_set("token", "", keys.fingerprint)).decode(errors="replace")
+            if first != keys.fingerprint:
+                hint = "" if keys.has_token else " (this rank has none: set GroupConfig.token or $RESHARD_TOKEN)"
+                raise RefitError(
+                    "join",
+                    {
+                        rank: f"refused: job {config.job!r} generation {config.generation} on the refit store at "
+                        f"{config.address} was joined with a different job token{hint}"
+                    },
+                )
+            ns = PrefixStore(keys.namespace, base)
+            ns.compare_set("epoch", "", "0")
+        except RefitError:
+            raise
+        except Exception as e:
+            raise RefitError("join", {rank: f"the refit store at {config.address} failed: {e}"}) from e
+        while True:
+            try:
+                epoch = _claim(ns, rank)
+            except Exception as e:
+                raise RefitError("join", {rank: f"the refit store at {config.address} failed: {e}"}) from e
+            group = cls(
+                config=config,
+                rank=rank,
+                role=role,
+                store=PrefixStore(f"e{epoch}", ns),
+                pg=None,
+                backend=backend,
+                keys=keys,
+                epoch=epoch,
+                _ns=ns,
+                _tcp_store=tcp,
+            )
+            try:
+                group.put(f"hello/{rank}", hello, step="join")
+                missing = group._wait_keys(hello_keys, deadline, step="join", watch_epoch=True)
+            except EpochMoved:
+                continue
+            break
         if missing:
             ranks = [int(k.split("/")[1]) for k in missing]
             raise RefitError(
                 "join",
                 {rank: f"rank(s) {ranks} did not join the refit group {config.job!r} within {config.timeout_s}s"},
             )
-        for k, v in zip(keys, store.multi_get(keys), strict=True):
-            h = wire.decode(v, wire.Hello)
+        for r, h in enumerate(group.get_many(hello_keys, wire.Hello, step="join")):
             assert isinstance(h, wire.Hello)
-            group.hellos[int(k.split("/")[1])] = h
+            if h.rank != r:
+                raise RefitError("join", {rank: f"hello/{r} holds the hello of rank {h.rank}"})
+            group.hellos[r] = h
+        on = [r for r, h in group.hellos.items() if h.checksums]
+        if on and len(on) != config.world_size:
+            off = [r for r, h in group.hellos.items() if not h.checksums]
+            raise RefitError(
+                "join",
+                {rank: f"ranks disagree on GroupConfig.checksums: on for ranks {on}, off for ranks {off}"},
+            )
         group.pg = group._make_pg(dev, timeout)
         return group
 
@@ -177,11 +387,58 @@ class RefitGroup:
         except Exception as e:
             raise RefitError("join", {self.rank: f"building the {self.backend} process group failed: {e}"}) from e
 
-    # -- the store -----------------------------------------------------------
+    # -- sealed values --------------------------------------------------------
 
     @property
     def world_size(self) -> int:
         return self.config.world_size
+
+    def _name(self, key: str) -> str:
+        return f"e{self.epoch}/{key}"
+
+    def seal(self, key: str, msg: wire.Message) -> bytes:
+        assert self.keys is not None
+        return self.keys.seal(self._name(key), wire.encode(msg))
+
+    def open(self, key: str, value: bytes, expect: type | None = None) -> wire.Message:
+        """Authenticate, decrypt and decode a value read from ``key``
+        (:class:`MetadataError` if anything is wrong with it)."""
+        assert self.keys is not None
+        limit = self.config.max_metadata_bytes
+        if len(value) > limit + _SEAL_OVERHEAD:
+            raise MetadataError(f"refit metadata at {key!r} of {len(value)} bytes exceeds the {limit}-byte limit")
+        return wire.decode(self.keys.open(self._name(key), value), expect, limit=limit)
+
+    def put(self, key: str, msg: wire.Message, *, step: str) -> None:
+        try:
+            self.store.set(key, self.seal(key, msg))
+        except Exception as e:
+            raise self._store_error(step, e) from e
+
+    def get_many(self, keys: list[str], expect: type, *, step: str) -> list[wire.Message]:
+        try:
+            values = self.store.multi_get(keys) if keys else []
+        except Exception as e:
+            raise self._store_error(step, e) from e
+        try:
+            return [self.open(k, v, expect) for k, v in zip(keys, values, strict=True)]
+        except MetadataError as e:
+            raise RefitError(step, {self.rank: str(e)}) from e
+
+    def _store_error(self, step: str, e: BaseException) -> RefitError:
+        return RefitError(
+            step,
+            {self.rank: f"the refit store at {self.config.address} is unreachable (did its host process die?): {e}"},
+        )
+
+    # -- epochs ------------------------------------------------------------------
+
+    def current_epoch(self) -> int:
+        """The job's epoch on the store (newer than ours: the group was rebuilt)."""
+        try:
+            return int(self._ns.get("epoch"))
+        except Exception as e:
+            raise self._store_error("enter", e) from e
 
     def domain_of(self) -> dict[int, int]:
         """Domain index per rank (labels numbered in sorted order)."""
@@ -189,66 +446,120 @@ class RefitGroup:
         index = {lab: i for i, lab in enumerate(labels)}
         return {r: index[h.domain] for r, h in self.hellos.items()}
 
-    def _wait_keys(self, keys: list[str], deadline: float, abort_key: str | None = None) -> list[str]:
+    def _wait_keys(
+        self,
+        keys: list[str],
+        deadline: float,
+        *,
+        step: str,
+        abort_grace: float | None = None,
+        watch_epoch: bool = False,
+    ) -> list[str]:
         """Wait until every key exists; return the missing ones at the deadline.
 
-        Raises :class:`RefitError` at once if ``abort_key`` appears.
+        With ``abort_grace``, an abort of the current refit shortens the wait
+        to that many seconds (the other ranks post their status right after
+        it). With ``watch_epoch``, raises :class:`EpochMoved` when another rank
+        rebuilt the group. A store that fails raises :class:`RefitError`.
         """
         store = self.store
         pause = 0.001
-        while True:
-            if store.check(keys):
-                return []
-            if abort_key is not None and store.check([abort_key]):
-                raise self._aborted(abort_key)
-            if time.monotonic() >= deadline:
-                return [k for k in keys if not store.check([k])]
-            # Polling, not store.wait: a timed-out wait logs a warning each time.
-            time.sleep(pause)
-            pause = min(pause * 2, _POLL_MAX_S)
+        next_watch = time.monotonic() + _WATCH_S
+        aborted = False
+        try:
+            while True:
+                if store.check(keys):
+                    return []
+                now = time.monotonic()
+                if now >= next_watch:
+                    next_watch = now + _WATCH_S
+                    if abort_grace is not None and not aborted and store.check([self.abort_key(0)]):
+                        aborted = True
+                        deadline = min(deadline, now + abort_grace)
+                    if watch_epoch:
+                        epoch = int(self._ns.get("epoch"))
+                        if epoch != self.epoch:
+                            text = f"the refit group was rebuilt by another rank (epoch {self.epoch} -> {epoch})"
+                            raise EpochMoved(step, {self.rank: text})
+                if now >= deadline:
+                    return [k for k in keys if not store.check([k])]
+                # Polling, not store.wait: a timed-out wait logs a warning each time.
+                time.sleep(pause)
+                pause = min(pause * 2, _POLL_MAX_S)
+        except RefitError:
+            raise
+        except Exception as e:
+            raise self._store_error(step, e) from e
 
-    def _aborted(self, abort_key: str) -> RefitError:
-        msg = bytes(self.store.get(abort_key)).decode(errors="replace")
-        step = abort_key.rsplit("/", maxsplit=1)[-1]
-        return RefitError(step, {self.rank: f"aborted by another rank: {msg}"})
+    # -- refits -------------------------------------------------------------------
+
+    def begin(self) -> int:
+        """Start the next refit on this group: its steps' keys are fresh even
+        when a refit number is reused after a rejected one."""
+        self.seq += 1
+        return self.seq
 
     def abort_key(self, refit: int) -> str:
-        return f"abort/{refit}"
+        """The abort key of the current refit (``refit`` is kept for callers;
+        keys follow :attr:`seq`)."""
+        del refit
+        return f"abort/{self.seq}"
 
     def signal_abort(self, refit: int, message: str) -> None:
-        """Tell every rank that refit ``refit`` failed (first message wins)."""
-        # The store may be gone; then peers time out instead.
+        """Tell every rank that the current refit failed (first message wins)."""
+        # The store may be gone; then peers notice that themselves.
         with contextlib.suppress(Exception):
-            self.store.compare_set(self.abort_key(refit), "", f"rank {self.rank}: {message}")
+            key = self.abort_key(refit)
+            value = self.seal(key, wire.Status(rank=self.rank, step="abort", refit=refit, ok=False, error=message))
+            self.store.compare_set(key, "", value)
 
     def aborted(self, refit: int) -> str | None:
+        """Why the current refit was aborted, or ``None``."""
         key = self.abort_key(refit)
         try:
-            if self.store.check([key]):
-                return bytes(self.store.get(key)).decode(errors="replace")
+            if not self.store.check([key]):
+                return None
+            value = self.store.get(key)
         except Exception as e:
-            return f"the refit store is unreachable: {e}"
-        return None
+            return f"the refit store at {self.config.address} is unreachable (did its host process die?): {e}"
+        try:
+            s = self.open(key, value, wire.Status)
+        except MetadataError as e:
+            return f"an abort that failed authentication ({e})"
+        assert isinstance(s, wire.Status)
+        return f"rank {s.rank}: {s.error}"
 
     def agree(self, step: str, refit: int, status: wire.Status, *, timeout_s: float | None = None) -> list[wire.Status]:
         """Post this rank's status for ``step`` and return every rank's.
 
         Raises :class:`RefitError` on every rank if any rank reported an error,
         or if a rank does not report within ``timeout_s`` (default: the group's
-        timeout); otherwise returns all statuses (ordered by rank).
+        timeout; after an abort, :data:`ABORT_GRACE_S`); otherwise returns all
+        statuses (ordered by rank). The error is ``agreed`` when every rank
+        reported: all ranks raise the same error and the group stays usable.
         """
-        prefix = f"status/{refit}/{step}"
-        self.store.set(f"{prefix}/{self.rank}", wire.encode(status))
+        prefix = f"status/{self.seq}/{step}"
+        self.put(f"{prefix}/{self.rank}", status, step=step)
         keys = [f"{prefix}/{r}" for r in range(self.world_size)]
         wait = self.config.timeout_s if timeout_s is None else timeout_s
-        missing = self._wait_keys(keys, time.monotonic() + wait)
+        grace = min(self.config.timeout_s, ABORT_GRACE_S)
+        missing = self._wait_keys(keys, time.monotonic() + wait, step=step, abort_grace=grace, watch_epoch=True)
         present = [k for k in keys if k not in missing]
+        try:
+            values = self.store.multi_get(present) if present else []
+        except Exception as e:
+            raise self._store_error(step, e) from e
         statuses: list[wire.Status] = []
-        for v in self.store.multi_get(present) if present else []:
-            s = wire.decode(v, wire.Status)
+        errors: dict[int, str] = {}
+        for k, v in zip(present, values, strict=True):
+            r = int(k.rsplit("/", 1)[1])
+            try:
+                s = self.open(k, v, wire.Status)
+            except MetadataError as e:
+                errors[r] = str(e)
+                continue
             assert isinstance(s, wire.Status)
             statuses.append(s)
-        errors: dict[int, str] = {}
         for s in statuses:
             if not s.ok:
                 lines = [s.error] if s.error else []
@@ -259,14 +570,14 @@ class RefitGroup:
                 f"did not report step {step!r} within {wait:g}s (dead, hung, or never started)"
             )
         if errors:
-            raise RefitError(step, errors, version=refit)
+            raise RefitError(step, errors, version=refit, agreed=not missing)
         return sorted(statuses, key=lambda s: s.rank)
 
-    def forget(self, refit: int, steps: Iterable[str]) -> None:
-        """Delete this rank's status keys of an old refit (keeps the store small)."""
+    def forget(self, seq: int, steps: tuple[str, ...]) -> None:
+        """Delete this rank's status keys of refit ``seq`` on this group (keeps the store small)."""
         for step in steps:
             with contextlib.suppress(Exception):
-                self.store.delete_key(f"status/{refit}/{step}/{self.rank}")
+                self.store.delete_key(f"status/{seq}/{step}/{self.rank}")
 
     # -- teardown -------------------------------------------------------------
 
@@ -279,3 +590,13 @@ class RefitGroup:
             with contextlib.suppress(Exception):
                 pg.abort()
         del pg
+
+
+def _claim(ns: Any, rank: int) -> int:
+    """Claim this rank's slot in the job's current epoch; move the job to the
+    next epoch when the slot is taken (see the module docstring)."""
+    while True:
+        epoch = int(ns.get("epoch"))
+        if ns.add(f"slot/e{epoch}/{rank}", 1) == 1:
+            return epoch
+        ns.compare_set("epoch", str(epoch), str(epoch + 1))

@@ -4,8 +4,13 @@ Shared by :class:`reshard.Sender` (trainer ranks) and
 :class:`reshard.Receiver` (engine workers). Call order on every rank:
 
 1. ``connect()`` - join the group, publish this rank's layout, read every
-   rank's layout (tables are stored once per distinct table), index them.
+   rank's layout (tables are stored once per distinct table), check and
+   index them.
 2. ``refit(n)`` for refits ``n = 1, 2, ...`` (strictly increasing):
+   0. agree on step ``enter``: every rank runs the same refit number, newer
+      than the last one that succeeded on any rank; otherwise every rank
+      raises :class:`RefitError` (step ``version``) before any byte moves.
+      A rank whose group another rank rebuilt (a newer epoch) rejoins first.
    a. plan this rank (cached while layouts stay the same) and check what
       the plan touches;
    b. agree on step ``plan``: every rank's problems reach every rank, which
@@ -14,6 +19,9 @@ Shared by :class:`reshard.Sender` (trainer ranks) and
       with smaller rounds (a deterministic, global decision);
    c. execute the rounds;
    d. agree on step ``transfer``: every rank learns whether all ranks finished.
+   A refit that fails at a step where ranks may have been left mid-way drops
+   the group; the next ``refit`` joins a rebuilt one (a new epoch), so the
+   same session (an engine worker, say) refits again without a restart.
 3. ``close()``.
 """
 
@@ -24,21 +32,21 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from reshard.errors import PlanError, Problem, RefitError
+from reshard.errors import MetadataError, PlanError, Problem, RefitError, _span
 from reshard.plan.layout import Layout, TensorMeta, table_digest
 from reshard.plan.planner import DEFAULT_ROUND_BYTES, LayoutSet, Planner, RankPlan, gc_paused
 from reshard.transport import wire
 from reshard.transport.execute import BIG_BYTES, ExecStats, Executor, staging_need
-from reshard.transport.group import GroupConfig, RefitGroup
+from reshard.transport.group import ABORT_GRACE_S, EpochMoved, GroupConfig, RefitGroup
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["RefitSession", "RefitStats"]
+__all__ = ["ABORT_GRACE_S", "RefitSession", "RefitStats"]
 
 DEFAULT_BUDGET_BYTES = 256 << 20
-ABORT_GRACE_S = 10.0
-"""After an abort, how long to wait for the other ranks' final status."""
+_REJOINS = 4
+"""Rebuilds a refit follows before giving up (each is another rank's rejoin)."""
 
 
 @dataclass(slots=True)
@@ -94,12 +102,13 @@ class RefitSession:
         self.device = device
         self.budget_bytes = budget_bytes
         self.round_bytes = round_bytes or min(DEFAULT_ROUND_BYTES, budget_bytes // 2)
+        self._initial_round_bytes = self.round_bytes
         self.big_bytes = big_bytes
         self.group: RefitGroup | None = None
         self.planner: Planner | None = None
         self._plan: RankPlan | None = None
-        self._plan_round_bytes = 0
         self.last_refit = 0
+        """The last refit that succeeded on this rank."""
         self._layouts: dict[int, Layout] = {}
         self.extra_groups: dict[int, object] = {}
         """Process groups that live as long as the refit group (the baseline's broadcast groups)."""
@@ -111,45 +120,67 @@ class RefitSession:
     # -- 1. connect ----------------------------------------------------------
 
     def connect(self) -> None:
-        if self.group is not None:
-            return
+        """Join the group (a rebuilt one after a failure) and read every layout."""
+        for _ in range(_REJOINS):
+            if self.group is not None:
+                return
+            try:
+                self._connect()
+                return
+            except EpochMoved:
+                self._drop()
+        raise RefitError("layout", {self.rank: f"the refit group was rebuilt {_REJOINS} times while joining"})
+
+    def _connect(self) -> None:
         group = RefitGroup.join(self.config, rank=self.rank, device=self.device)
         self.group = group
-        store = group.store
+        try:
+            self._layouts = self._exchange_layouts(group)
+        except BaseException:
+            self._drop()
+            raise
+
+    def _exchange_layouts(self, group: RefitGroup) -> dict[int, Layout]:
+        cfg = self.config
         lay = self.layout
         digest = table_digest(lay.tensors)
-        key = f"table/{digest}"
-        if not store.check([key]):
-            store.set(key, wire.encode(wire.Table(tensors=lay.tensors)))
+        try:
+            if not group.store.check([f"table/{digest}"]):
+                group.put(f"table/{digest}", wire.Table(tensors=lay.tensors), step="layout")
+        except RefitError:
+            raise
+        except Exception as e:
+            raise group._store_error("layout", e) from e
         msg = wire.RankLayout(rank=lay.rank, table=digest, locals=lay.locals, pieces=lay.pieces, grids=lay.grids)
-        store.set(f"layout/{self.rank}", wire.encode(msg))
-        keys = [f"layout/{r}" for r in range(self.config.world_size)]
-        missing = group._wait_keys(keys, time.monotonic() + self.config.timeout_s)
+        group.put(f"layout/{self.rank}", msg, step="layout")
+        keys = [f"layout/{r}" for r in range(cfg.world_size)]
+        missing = group._wait_keys(keys, time.monotonic() + cfg.timeout_s, step="layout", watch_epoch=True)
         if missing:
-            raise RefitError("layout", {self.rank: f"no layout from {missing} within {self.config.timeout_s}s"})
+            raise RefitError("layout", {self.rank: f"no layout from {missing} within {cfg.timeout_s}s"})
         tables: dict[str, tuple[TensorMeta, ...]] = {}
         layouts: dict[int, Layout] = {}
         try:
             with gc_paused():
-                for k, v in zip(keys, store.multi_get(keys), strict=True):
-                    rl = wire.decode(v, wire.RankLayout)
+                for r, rl in enumerate(group.get_many(keys, wire.RankLayout, step="layout")):
                     assert isinstance(rl, wire.RankLayout)
-                    r = int(k.split("/")[1])
                     if rl.rank != r:
-                        raise ValueError(f"layout/{r} holds the layout of rank {rl.rank}")
+                        raise MetadataError(f"layout/{r} holds the layout of rank {rl.rank}")
                     if rl.table not in tables:
-                        t = wire.decode(store.get(f"table/{rl.table}"), wire.Table)
+                        (t,) = group.get_many([f"table/{rl.table}"], wire.Table, step="layout")
                         assert isinstance(t, wire.Table)
                         if table_digest(t.tensors) != rl.table:
-                            raise ValueError(f"table {rl.table} does not match its digest")
+                            raise MetadataError(f"table {rl.table} does not match its digest")
                         tables[rl.table] = t.tensors
                     layouts[r] = Layout(
                         rank=r, tensors=tables[rl.table], locals=rl.locals, pieces=rl.pieces, grids=rl.grids
                     )
-        except Exception as e:
-            group.signal_abort(0, f"bad layout metadata: {e}")
-            raise RefitError("layout", {self.rank: f"cannot read the layouts: {e}"}) from e
-        self._layouts = layouts
+                    side = range(cfg.num_sources) if r < cfg.num_sources else range(cfg.num_sources, cfg.world_size)
+                    wire.check_layout(layouts[r], ranks=side)
+        except (MetadataError, RefitError) as e:
+            # Every rank reads the same layouts, so every rank raises this too.
+            text = e.errors.get(self.rank, str(e)) if isinstance(e, RefitError) else str(e)
+            raise RefitError("layout", {self.rank: f"cannot read the layouts: {text}"}) from e
+        return layouts
 
     def _planner(self) -> Planner:
         if self.planner is None:
@@ -177,6 +208,42 @@ class RefitSession:
 
     # -- 2. refit --------------------------------------------------------------
 
+    def _enter(self, refit: int) -> RefitGroup:
+        """Step 0 (see the module docstring): returns the group to run on."""
+        for _ in range(_REJOINS):
+            if self.group is None:
+                self.connect()
+            group = self.group
+            assert group is not None
+            try:
+                if group.current_epoch() != group.epoch:
+                    raise EpochMoved("enter", {self.rank: "the refit group was rebuilt by another rank"})
+                group.begin()
+                status = wire.Status(rank=self.rank, step="enter", refit=refit, ok=True, last_refit=self.last_refit)
+                statuses = group.agree("enter", refit, status)
+                break
+            except EpochMoved:
+                self._drop()
+        else:
+            raise RefitError("enter", {self.rank: f"the refit group was rebuilt {_REJOINS} times while entering"})
+        numbers: dict[int, list[int]] = {}
+        for s in statuses:
+            numbers.setdefault(s.refit, []).append(s.rank)
+        if len(numbers) > 1:
+            text = "ranks disagree on the refit number: " + "; ".join(
+                f"refit {n} on rank(s) {_span(rs)}" for n, rs in sorted(numbers.items())
+            )
+            raise RefitError("version", dict.fromkeys(range(self.config.world_size), text), agreed=True)
+        newest = max(s.last_refit for s in statuses)
+        if refit <= newest:
+            holders = [s.rank for s in statuses if s.last_refit == newest]
+            text = (
+                f"refit {refit} is stale or replayed: refit {newest} already succeeded on rank(s) {_span(holders)}; "
+                "refit numbers must strictly increase (nothing was sent)"
+            )
+            raise RefitError("version", dict.fromkeys(holders, text), version=refit, agreed=True)
+        return group
+
     def refit(
         self,
         refit: int,
@@ -186,17 +253,25 @@ class RefitSession:
         before_transfer: Callable[[RankPlan], None] | None = None,
     ) -> RefitStats:
         """Run refit number ``refit`` (see the module docstring)."""
-        if self.group is None:
-            self.connect()
-        group = self.group
-        assert group is not None
-        if refit <= self.last_refit:
-            raise ValueError(f"refit {refit} is not newer than the last one ({self.last_refit})")
         t0 = time.perf_counter()
         started_at = time.time()
-        agree_s = 0.0
+        try:
+            return self._refit(refit, destinations, after_round, before_transfer, t0, started_at)
+        except RefitError as e:
+            if e.step == "transfer" or not e.agreed:
+                # The group may be half-used (or a peer is gone): never reuse it.
+                self._drop()
+            raise
+        except BaseException:
+            self._drop()
+            raise
+
+    def _refit(self, refit, destinations, after_round, before_transfer, t0: float, started_at: float) -> RefitStats:
+        group = self._enter(refit)
+        agree_s = time.perf_counter() - t0
         # a/b. plan and agree; shrink rounds until every rank's staging fits.
         for _attempt in range(8):
+            step = "plan" if _attempt == 0 else f"plan.{_attempt}"
             problems: tuple[Problem, ...] = ()
             need = 0
             try:
@@ -207,12 +282,10 @@ class RefitSession:
             except PlanError as e:
                 problems = tuple(e.problems)
             except Exception as e:
-                step = "plan" if _attempt == 0 else f"plan.{_attempt}"
                 group.agree(
                     step, refit, wire.Status(rank=self.rank, step=step, refit=refit, ok=False, error=f"planning: {e}")
                 )
                 raise
-            step = "plan" if _attempt == 0 else f"plan.{_attempt}"
             status = wire.Status(
                 rank=self.rank, step=step, refit=refit, ok=not problems, problems=problems, staging_need=need
             )
@@ -232,11 +305,11 @@ class RefitSession:
         plan = self._plan
         assert plan is not None
         # c. execute.
-        if before_transfer is not None:
-            before_transfer(plan)
         ex_stats: ExecStats | None = None
         error = ""
         try:
+            if before_transfer is not None:
+                before_transfer(plan)
             ex = Executor(
                 group,
                 plan,
@@ -247,6 +320,7 @@ class RefitSession:
                 device=self.device,
                 after_round=after_round,
                 refit=refit,
+                checksums=self.config.checksums,
             )
             ex_stats = ex.run()
         except RefitError as e:
@@ -258,21 +332,16 @@ class RefitSession:
         # d. agree on the outcome. After an abort every live rank reaches this
         # point within a few polls, so ranks still missing are dead: wait less.
         ta = time.perf_counter()
-        grace = min(self.config.timeout_s, ABORT_GRACE_S) if error or group.aborted(refit) else None
-        try:
-            group.agree(
-                "transfer",
-                refit,
-                wire.Status(rank=self.rank, step="transfer", refit=refit, ok=not error, error=error),
-                timeout_s=grace,
-            )
-        except RefitError:
-            # The group's connections may be half-used: it cannot carry another refit.
-            self.close()
-            raise
+        grace = min(self.config.timeout_s, ABORT_GRACE_S) if error else None
+        group.agree(
+            "transfer",
+            refit,
+            wire.Status(rank=self.rank, step="transfer", refit=refit, ok=not error, error=error),
+            timeout_s=grace,
+        )
         agree_s += time.perf_counter() - ta
         self.last_refit = refit
-        group.forget(refit - 1, ("plan", "transfer"))
+        group.forget(group.seq - 1, ("enter", "plan", "transfer"))
         assert ex_stats is not None
         return RefitStats(
             refit=refit,
@@ -292,15 +361,21 @@ class RefitSession:
         """Refit ``refit`` by gather-and-broadcast (see :mod:`reshard.baseline`)."""
         from reshard.baseline import gather_broadcast
 
-        if refit <= self.last_refit:
-            raise ValueError(f"refit {refit} is not newer than the last one ({self.last_refit})")
         t0 = time.perf_counter()
         started_at = time.time()
         saved = self.tensors
         if destinations is not None:
             self.tensors = destinations
         try:
+            self._enter(refit)
             ex = gather_broadcast(self, refit, bucket_bytes=bucket_bytes or self.budget_bytes)
+        except RefitError as e:
+            if e.step == "transfer" or not e.agreed:
+                self._drop()
+            raise
+        except BaseException:
+            self._drop()
+            raise
         finally:
             self.tensors = saved
         return RefitStats(
@@ -317,10 +392,16 @@ class RefitSession:
 
     # -- 3. close ---------------------------------------------------------------
 
-    def close(self) -> None:
+    def _drop(self) -> None:
+        """Forget the group and everything planned on it; the next refit joins
+        a rebuilt group (its layouts and domains are read again)."""
         self.extra_groups.clear()
         if self.group is not None:
             self.group.close()
             self.group = None
         self.planner = None
         self._plan = None
+        self.round_bytes = self._initial_round_bytes
+
+    def close(self) -> None:
+        self._drop()

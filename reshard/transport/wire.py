@@ -1,32 +1,47 @@
 """Wire types: what ranks tell each other through the store (msgspec, versioned).
 
 Nothing that crosses a process boundary is pickled. Every message carries a
-``version`` field; new fields are appended with defaults. Decoding validates
-types, so malformed metadata is a clear ``msgspec.ValidationError`` naming
-the field, not a crash deep in the planner.
+``version`` field; new fields are appended with defaults. Decoding checks
+the size first, then validates types, so malformed metadata is a clear
+:class:`~reshard.errors.MetadataError` naming the field, not a crash deep
+in the planner; :func:`check_layout` then checks what types cannot (ranges,
+index bounds, ranks) before a layout reaches the planner.
 """
 
 from __future__ import annotations
 
+import math
+
 import msgspec
 
-from reshard.errors import Problem
-from reshard.plan.layout import Grid, LocalTensor, Piece, TensorMeta
+from reshard.errors import MetadataError, Problem
+from reshard.plan.layout import DTYPE_SIZES, LAYOUT_VERSION, Grid, Layout, LocalTensor, Piece, TensorMeta
 
 __all__ = [
+    "MAX_MESSAGE_BYTES",
     "WIRE_VERSION",
     "Hello",
     "RankLayout",
     "Status",
+    "Table",
+    "check_layout",
     "decode",
     "encode",
 ]
 
 WIRE_VERSION = 1
 
-# Refuse metadata larger than this before decoding it (a table of a 1T-param
-# MoE with ~100k tensors is ~7 MB).
-MAX_MESSAGE_BYTES = 256 << 20
+MAX_MESSAGE_BYTES = 64 << 20
+"""Default bound on one metadata message (``GroupConfig.max_metadata_bytes``):
+larger ones are refused before decoding. The tensor table of a 1T-parameter
+MoE (~100k tensors) is ~7 MB; a rank's layout with grids tens of KB."""
+
+MAX_NDIM = 16
+"""Most dims a tensor (or a mesh) of a layout may have."""
+MAX_NUMEL = 1 << 48
+"""Most elements a tensor of a layout may have (a bound that keeps sizes
+meaningful; 2**48 elements is 512 TiB of bf16)."""
+MAX_MESH_SIZE = 1 << 20
 
 
 class Hello(msgspec.Struct, frozen=True, kw_only=True, tag="hello"):
@@ -41,6 +56,8 @@ class Hello(msgspec.Struct, frozen=True, kw_only=True, tag="hello"):
     pid: int
     device: str = "cpu"
     version: int = WIRE_VERSION
+    checksums: bool = False
+    """Whether this rank runs refits with per-message checksums (all must agree)."""
 
 
 class RankLayout(msgspec.Struct, frozen=True, kw_only=True, tag="layout"):
@@ -72,6 +89,8 @@ class Status(msgspec.Struct, frozen=True, kw_only=True, tag="status"):
     staging_need: int = 0
     """Bytes of staging this rank's plan needs in its busiest round."""
     version: int = WIRE_VERSION
+    last_refit: int = 0
+    """Step ``enter``: the last refit that succeeded on this rank."""
 
 
 Message = Hello | RankLayout | Table | Status
@@ -84,15 +103,128 @@ def encode(msg: Message) -> bytes:
     return _encoder.encode(msg)
 
 
-def decode(data: bytes, expect: type | None = None) -> Message:
-    """Decode one message; ``expect`` checks its type."""
-    if len(data) > MAX_MESSAGE_BYTES:
-        raise ValueError(f"refit metadata of {len(data)} bytes exceeds the {MAX_MESSAGE_BYTES}-byte limit")
-    msg = _decoder.decode(data)
+def decode(data: bytes, expect: type | None = None, *, limit: int = MAX_MESSAGE_BYTES) -> Message:
+    """Decode one message; ``expect`` checks its type. Raises
+    :class:`MetadataError` (never anything else) for data that is too large,
+    malformed, of the wrong type or of a newer wire version."""
+    if len(data) > limit:
+        raise MetadataError(f"refit metadata of {len(data)} bytes exceeds the {limit}-byte limit")
+    try:
+        msg = _decoder.decode(data)
+    except msgspec.MsgspecError as e:
+        raise MetadataError(f"malformed refit metadata ({len(data)} bytes): {e}") from None
     if expect is not None and not isinstance(msg, expect):
-        raise msgspec.ValidationError(f"expected a {expect.__name__} message, got {type(msg).__name__}")
-    if msg.version > WIRE_VERSION:
-        raise msgspec.ValidationError(
-            f"{type(msg).__name__} has wire version {msg.version}; this reshard reads up to {WIRE_VERSION}"
+        raise MetadataError(f"expected a {expect.__name__} message, got {type(msg).__name__}")
+    if msg.version > WIRE_VERSION or msg.version < 1:
+        raise MetadataError(
+            f"{type(msg).__name__} has wire version {msg.version}; this reshard reads versions 1 to {WIRE_VERSION}"
         )
     return msg
+
+
+def check_layout(layout: Layout, *, ranks: range) -> None:
+    """Check what decoding cannot: sizes, index bounds and ranks of a layout
+    published by a rank of ``ranks`` (its side: sources or destinations).
+
+    Raises :class:`MetadataError` naming the rank and the first bad field, so
+    that a malformed layout never reaches the planner.
+    """
+    r = layout.rank
+
+    def bad(what: str) -> MetadataError:
+        return MetadataError(f"layout of rank {r}: {what}")
+
+    if r not in ranks:
+        raise bad(f"rank {r} is outside its side's ranks {ranks.start}..{ranks.stop - 1}")
+    if not 1 <= layout.version <= LAYOUT_VERSION:
+        raise bad(f"layout version {layout.version}; this reshard reads versions 1 to {LAYOUT_VERSION}")
+    for i, t in enumerate(layout.tensors):
+        if not t.name:
+            raise bad(f"tensor {i} has an empty name")
+        if t.dtype not in DTYPE_SIZES:
+            raise bad(f"tensor {t.name!r} has unknown dtype {t.dtype!r}")
+        _check_shape(t.shape, f"tensor {t.name!r}", bad)
+    for i, loc in enumerate(layout.locals):
+        if not loc.name:
+            raise bad(f"local tensor {i} has an empty name")
+        _check_shape(loc.shape, f"local tensor {loc.name!r}", bad)
+    nt, nl = len(layout.tensors), len(layout.locals)
+    for i, p in enumerate(layout.pieces):
+        if not 0 <= p.tensor < nt or not 0 <= p.local < nl:
+            raise bad(f"piece {i} refers to tensor {p.tensor} / local {p.local} outside its tables ({nt}, {nl})")
+        meta, loc = layout.tensors[p.tensor], layout.locals[p.local]
+        what = f"piece {i} of {meta.name!r}"
+        nd = len(meta.shape)
+        if len(p.box.offsets) != nd or len(p.box.sizes) != nd:
+            raise bad(f"{what}: box {p.box.offsets}/{p.box.sizes} has not the tensor's {nd} dims")
+        if any(o < 0 for o in p.box.offsets) or any(s < 0 for s in p.box.sizes):
+            raise bad(f"{what}: box {p.box.offsets}/{p.box.sizes} has negative entries")
+        _check_storage(p.offset, p.dims, nd, len(loc.shape), what, bad)
+    for i, g in enumerate(layout.grids):
+        _check_grid(g, layout.tensors, ranks, f"grid {i}", bad)
+
+
+def _check_shape(shape: tuple[int, ...], what: str, bad) -> None:
+    if len(shape) > MAX_NDIM:
+        raise bad(f"{what} has {len(shape)} dims (at most {MAX_NDIM})")
+    if any(n < 0 for n in shape):
+        raise bad(f"{what} has a negative size in shape {list(shape)}")
+    if math.prod(shape) > MAX_NUMEL:
+        raise bad(f"{what} of shape {list(shape)} has more than 2**48 elements")
+
+
+def _check_storage(offset: tuple[int, ...], dims: tuple[int, ...], nd: int, local_nd: int, what: str, bad) -> None:
+    if offset and len(offset) != local_nd:
+        raise bad(f"{what}: offset {offset} has not the local tensor's {local_nd} dims")
+    if any(o < 0 for o in offset):
+        raise bad(f"{what}: offset {offset} has negative entries")
+    if dims and (len(dims) != nd or len(set(dims)) != nd or any(not 0 <= d < local_nd for d in dims)):
+        raise bad(f"{what}: dims {dims} do not map {nd} global dims into {local_nd} local dims")
+    if not dims and local_nd < nd:
+        raise bad(f"{what}: a {nd}-dim box does not fit a {local_nd}-dim local tensor")
+
+
+def _check_grid(g: Grid, tensors: tuple[TensorMeta, ...], ranks: range, what: str, bad) -> None:
+    start, stop, step = g.tensors
+    if step < 1 or not 0 <= start <= stop <= len(tensors):
+        raise bad(f"{what} refers to tensors {g.tensors} of a table of {len(tensors)}")
+    mesh = g.mesh
+    nm = len(mesh.shape)
+    if not 1 <= nm <= MAX_NDIM or any(n < 1 for n in mesh.shape):
+        raise bad(f"{what}: mesh shape {list(mesh.shape)} is not 1 to {MAX_NDIM} positive sizes")
+    size = math.prod(mesh.shape)
+    if size > MAX_MESH_SIZE:
+        raise bad(f"{what}: a mesh of {size} ranks")
+    if mesh.ranks:
+        if len(mesh.ranks) != size:
+            raise bad(f"{what}: mesh of shape {list(mesh.shape)} lists {len(mesh.ranks)} ranks")
+        lo, hi = min(mesh.ranks), max(mesh.ranks)
+    else:
+        strides = mesh.strides
+        if strides and len(strides) != nm:
+            raise bad(f"{what}: mesh strides {strides} for a mesh of shape {list(mesh.shape)}")
+        if not strides:
+            lo, hi = mesh.start, mesh.start + size - 1
+        else:
+            lo = mesh.start + sum(min(0, s * (n - 1)) for s, n in zip(strides, mesh.shape, strict=True))
+            hi = mesh.start + sum(max(0, s * (n - 1)) for s, n in zip(strides, mesh.shape, strict=True))
+    if lo < ranks.start or hi >= ranks.stop:
+        raise bad(f"{what}: mesh ranks span {lo}..{hi}, outside its side's ranks {ranks.start}..{ranks.stop - 1}")
+    axes = [a for dim_axes in g.shard for a in dim_axes]
+    if any(not 0 <= a < nm for a in axes) or len(set(axes)) != len(axes):
+        raise bad(f"{what}: shard spec {g.shard} on a mesh of {nm} axes")
+    if g.block and (len(g.block) != len(g.shard) or any(b < 0 for b in g.block)):
+        raise bad(f"{what}: block {g.block} for shard spec {g.shard}")
+    nd = len(g.shard)
+    for ti in range(start, stop, step):
+        meta = tensors[ti]
+        if len(meta.shape) != nd:
+            raise bad(f"{what}: shard spec {g.shard} for {meta.name!r} of shape {list(meta.shape)}")
+    if g.local is not None:
+        if not g.local.name:
+            raise bad(f"{what}: local tensor with an empty name")
+        _check_shape(g.local.shape, f"{what}: local tensor {g.local.name!r}", bad)
+        local_nd = len(g.local.shape)
+        _check_storage(g.offset, g.dims, nd, local_nd, what, bad)
+        if g.step and len(g.step) != local_nd:
+            raise bad(f"{what}: step {g.step} has not the local tensor's {local_nd} dims")
