@@ -18,7 +18,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from reshard.adapters.sglang import HOOK, SglangEngine
+from reshard.adapters.sglang import HOOK, SglangEngines
 
 REPO = Path(__file__).resolve().parents[1]
 PROMPTS = [[5, 6, 7, 8, 9], [11, 12, 13, 4, 200, 31]]
@@ -154,7 +154,7 @@ def _trainer_loop(rank: int, world: int, pg_port: int, inbox, outbox) -> None:
     mesh = init_device_mesh("cpu", (world,))
     try:
         while (job := inbox.get()) is not None:
-            path, config, refit, mutate = job
+            path, config, refit, mutate, drive = job
             try:
                 model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
                 if mutate == "shape":
@@ -171,8 +171,13 @@ def _trainer_loop(rank: int, world: int, pg_port: int, inbox, outbox) -> None:
 
                 sender = Sender(model, config=GroupConfig(**config), rename=rename)
                 try:
-                    st = sender.push(refit)
-                    outbox.put((rank, {"ok": True, "sent": st.exec.bytes_sent}))
+                    if drive and rank == 0:
+                        # The one-call path: this rank also drives the SGLang server.
+                        st = sender.push(refit, engines=SglangEngines([drive]))
+                    else:
+                        st = sender.push(refit)
+                    engine_stats = getattr(sender, "engine_stats", None) if drive and rank == 0 else None
+                    outbox.put((rank, {"ok": True, "sent": st.exec.bytes_sent, "engine_stats": engine_stats}))
                 finally:
                     sender.close()
             except Exception as e:
@@ -202,9 +207,12 @@ class Trainers:
         for p in self.procs:
             p.start()
 
-    def start_push(self, path: str | os.PathLike, config: dict[str, Any], refit: int, mutate: str = "") -> None:
+    def start_push(
+        self, path: str | os.PathLike, config: dict[str, Any], refit: int, mutate: str = "", drive: str = ""
+    ) -> None:
+        """Every rank pushes; with ``drive`` (a server URL), rank 0 drives it too."""
         for q in self.inboxes:
-            q.put((str(path), config, refit, mutate))
+            q.put((str(path), config, refit, mutate, drive))
 
     def results(self, timeout: float = 240.0) -> list[dict[str, Any]]:
         out: dict[int, dict[str, Any]] = {}
@@ -231,8 +239,10 @@ def refit_with_trainers(
     refit: int,
     generation: int,
     mutate: str = "",
+    trainer_drives: bool = False,
 ) -> dict[str, Any]:
-    """One refit: the trainer ranks push while the driver drives the server."""
+    """One refit: the trainer ranks push while the driver (here, or trainer
+    rank 0 through ``Sender.push(engines=...)``) drives the server."""
     from reshard import GroupConfig
 
     config = dict(
@@ -243,13 +253,25 @@ def refit_with_trainers(
         host_store=False,
         generation=generation,
     )
+    if trainer_drives:
+        t0 = time.monotonic()
+        trainers.start_push(path, config, refit, mutate, drive=server.url)
+        results = trainers.results()
+        return {
+            "replies": results[0].get("engine_stats"),
+            "error": None if all(r["ok"] for r in results) else results[0].get("error"),
+            "trainers": results,
+            "seconds": time.monotonic() - t0,
+            "paused": False,
+        }
     trainers.start_push(path, config, refit, mutate)
-    engine = SglangEngine(server.url)
+    engines = SglangEngines([server.url])
+    engines.init(GroupConfig(**config))
     t0 = time.monotonic()
     error: BaseException | None = None
     replies = None
     try:
-        replies = engine.refit(refit, GroupConfig(**config))
+        replies = engines.refit(refit)
     except Exception as e:
         error = e
     seconds = time.monotonic() - t0
@@ -258,5 +280,5 @@ def refit_with_trainers(
         "error": error,
         "trainers": trainers.results(),
         "seconds": seconds,
-        "paused": engine.paused,
+        "paused": engines.paused,
     }

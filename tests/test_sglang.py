@@ -10,6 +10,7 @@ it they fail, unless ``RESHARD_SKIP_SGLANG=1`` says to skip them.
 
 from __future__ import annotations
 
+import json
 import os
 import threading
 import time
@@ -151,14 +152,122 @@ def test_hook_with_an_unlearnable_model_fails_the_plan_at_once_and_never_raises(
 
 
 def test_command_round_trip():
-    from reshard.adapters.sglang.driver import command_payload
+    from reshard import GroupConfig
+    from reshard.adapters.sglang.driver import command_payload, group_spec
+    from reshard.adapters.sglang.hook import group_config
 
-    group = protocol.GroupSpec(address="h:1", num_sources=2, num_destinations=4)
+    trainer_side = GroupConfig(address="h:1", num_sources=2, num_destinations=4, generation=3, domain="rack-7")
+    group = group_spec(trainer_side, engine_offset=2)
+    assert group.config == {"address": "h:1", "num_sources": 2, "num_destinations": 4, "generation": 3}
     cmd = protocol.Command(op="pull", id="x", group=group)
     assert protocol.decode_command(protocol.encode_command(cmd)) == cmd
+    worker_side = group_config(group)
+    assert (worker_side.generation, worker_side.host_store, worker_side.domain) == (3, False, None)
     assert command_payload(cmd)  # base64 text
     with pytest.raises(ValueError, match="not a reshard command"):
         protocol.decode_command("model.embed_tokens.weight")
+
+
+class FakeSglang:
+    """SGLang's weight-update HTTP routes, with workers that reply as told:
+    checks the driver's call sequence and its pause / resume decisions."""
+
+    def __init__(self, tp: int, outcome: str) -> None:
+        import http.server
+
+        self.calls: list[str] = []
+        fake = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def log_message(self, *args) -> None:
+                pass
+
+            def _send(self, code: int, body: dict) -> None:
+                raw = json.dumps(body).encode()
+                self.send_response(code)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(raw)))
+                self.end_headers()
+                self.wfile.write(raw)
+
+            def do_GET(self) -> None:
+                self._send(200, {"tp_size": tp, "pp_size": 1, "dp_size": 1})
+
+            def do_POST(self) -> None:
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])) or b"{}")
+                fake.calls.append(self.path.strip("/"))
+                if self.path == "/update_weights_from_tensor":
+                    assert body["load_format"] == "reshard.adapters.sglang.hook.load"
+                    assert len(body["serialized_named_tensors"]) == tp
+                    fake.workers(body["serialized_named_tensors"])
+                self._send(200, {"success": True, "message": "Success"})
+
+        self.tp = tp
+        self.outcome = outcome
+        self.http = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.http.server_address[1]}"
+        threading.Thread(target=self.http.serve_forever, daemon=True).start()
+
+    def workers(self, payloads: list[str]) -> None:
+        import base64
+        import pickle
+
+        from reshard.adapters.sglang import hook
+
+        for tp_rank, payload in enumerate(payloads):
+            if self.outcome == "silent" and tp_rank == 1:
+                continue  # a worker that died
+            [(name, _)] = pickle.loads(base64.b64decode(payload))  # test-only: our own payload
+            cmd = protocol.decode_command(name)
+            rank = cmd.group.num_sources + cmd.group.engine_offset + tp_rank
+            ok = self.outcome in ("ok", "silent")
+            reply = protocol.Reply(
+                id=cmd.id,
+                rank=rank,
+                tp_rank=tp_rank,
+                ok=ok,
+                error="" if ok else "boom",
+                step=None if ok else ("plan" if self.outcome == "plan" else "transfer"),
+                errors=None if ok else {rank: "boom"},
+                mixed=self.outcome == "mixed",
+            )
+            hook._post(cmd.group, reply)
+
+    def close(self) -> None:
+        self.http.shutdown()
+
+
+@pytest.mark.parametrize("outcome", ["ok", "plan", "mixed", "silent"])
+def test_driver_sequence_and_pause_decisions(outcome):
+    from reshard import GroupConfig
+    from reshard.adapters.sglang import MixedWeightsError, SglangEngine, SglangEngines
+    from reshard.engines import Engines
+
+    assert isinstance(SglangEngines("http://x"), Engines)
+
+    store = procs.StoreServer()
+    fake = FakeSglang(2, outcome)
+    cfg = GroupConfig(address=store.address, num_sources=2, num_destinations=2, host_store=False, timeout_s=10)
+    engine = SglangEngine(fake.url)
+    try:
+        if outcome == "ok":
+            replies = engine.refit(1, cfg)
+            assert [r.tp_rank for r in replies] == [0, 1] and all(r.ok for r in replies)
+        elif outcome == "plan":
+            with pytest.raises(RefitError) as e:
+                engine.refit(1, cfg)
+            assert not isinstance(e.value, MixedWeightsError) and e.value.step == "plan"
+        else:
+            with pytest.raises(MixedWeightsError) as e:
+                engine.refit(1, cfg)
+            assert e.value.paused and engine.paused
+            assert fake.calls[-1] == "end_weight_update"
+            engine.resume()
+        done = ["pause_generation", "begin_weight_update", "update_weights_from_tensor", "end_weight_update"]
+        assert fake.calls == [*done, "continue_generation"]
+        assert not engine.paused
+    finally:
+        fake.close()
 
 
 # -- real SGLang servers ------------------------------------------------------------------
@@ -213,7 +322,8 @@ def _scenario(server, trainers, kind: str, tp: int, v1, v2) -> dict[str, Any]:
             m["after"] = server.generate()
             m["cs"] = server.checksums()
             out[f"mismatch_{mutate}"] = m
-    out["back"] = refit_with_trainers(server, trainers, store.address, v1, refit=2, generation=3)
+    # Back to v1, in one call on trainer rank 0: Sender.push(engines=SglangEngines([url])).
+    out["back"] = refit_with_trainers(server, trainers, store.address, v1, refit=2, generation=3, trainer_drives=True)
     out["back_tokens"] = server.generate()
     out["cs_back"] = server.checksums()
     server.load_from_disk(v2)
@@ -279,8 +389,9 @@ def test_refit_from_fsdp2_equals_sglangs_own_load_weights(run):
     assert run["cs_refit"] == run["cs_disk_v2"]
     assert run["cs_refit"] != run["cs_v1"]
     assert len(run["cs_refit"]) == run["tp"]
-    # ... and after the refit back, what a fresh engine loaded at startup.
+    # ... and after the refit back (driven by trainer rank 0), what a fresh engine loaded at startup.
     assert run["back"]["error"] is None, run["back"]["error"]
+    assert [r["tp_rank"] for r in run["back"]["replies"]] == list(range(run["tp"]))
     assert run["cs_back"] == run["cs_v1"]
 
 
@@ -300,14 +411,14 @@ def test_greedy_tokens_equal_a_fresh_engines(run):
 @pytest.mark.sglang
 def test_each_engine_rank_receives_only_what_it_keeps(run):
     replies = run["refit"]["replies"]
-    assert [r.tp_rank for r in replies] == list(range(run["tp"]))
+    assert [r["tp_rank"] for r in replies] == list(range(run["tp"]))
     for r in replies:
-        assert r.stats["bytes_received"] == r.stats["kept_bytes"] > 0
+        assert r["stats"]["bytes_received"] == r["stats"]["kept_bytes"] > 0
     total = sum(t["sent"] for t in run["refit"]["trainers"])
     if run["tp"] == 2:
-        assert all(r.stats["bytes_received"] < 0.6 * total for r in replies)
+        assert all(r["stats"]["bytes_received"] < 0.6 * total for r in replies)
     else:
-        assert replies[0].stats["bytes_received"] == total
+        assert replies[0]["stats"]["bytes_received"] == total
 
 
 @pytest.mark.engine

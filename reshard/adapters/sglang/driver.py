@@ -16,8 +16,10 @@
    new weights) and :class:`MixedWeightsError` says so.
 
 The call blocks until the workers are done, so the trainer side must push
-concurrently: call :meth:`SglangEngine.refit_async` (a future) on one
-trainer rank, then ``sender.push(n)`` on every trainer rank.
+concurrently. :class:`SglangEngines` is the :class:`reshard.engines.Engines`
+of one or more servers: ``sender.push(n, engines=SglangEngines([url]))`` on
+one trainer rank does both (other ranks call ``sender.push(n)``). By hand:
+:meth:`SglangEngine.refit_async` (a future), then ``sender.push(n)``.
 
 The driver needs ``torch`` (to build the payload SGLang unpickles and to
 read the refit store) but not SGLang.
@@ -34,6 +36,7 @@ import time
 import urllib.error
 import urllib.request
 import uuid
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from reshard.adapters.sglang import protocol
@@ -43,7 +46,7 @@ from reshard.errors import RefitError, ReshardError
 if TYPE_CHECKING:
     from reshard.transport.group import GroupConfig
 
-__all__ = ["HOOK", "MixedWeightsError", "SglangEngine", "group_spec"]
+__all__ = ["HOOK", "MixedWeightsError", "SglangEngine", "SglangEngines", "group_spec"]
 
 HOOK = "reshard.adapters.sglang.hook.load"
 """The custom weight loader to register: ``--custom-weight-loader reshard.adapters.sglang.hook.load``."""
@@ -58,20 +61,23 @@ class MixedWeightsError(RefitError):
     paused: bool = True
 
 
+_PER_RANK = frozenset({"token", "host_store", "store_bind", "domain"})
+
+
 def group_spec(config: GroupConfig, *, engine_offset: int = 0, budget_bytes: int = 256 << 20) -> GroupSpec:
-    """The wire form of ``config`` for the workers of one engine."""
-    return GroupSpec(
-        address=config.address,
-        num_sources=config.num_sources,
-        num_destinations=config.num_destinations,
-        job=config.job,
-        generation=config.generation,
-        timeout_s=config.timeout_s,
-        backend=config.backend,
-        domain=config.domain,
-        engine_offset=engine_offset,
-        budget_bytes=budget_bytes,
-    )
+    """The wire form of ``config`` for the workers of one engine: every
+    field but the per-rank ones and the token (see :class:`GroupSpec`)."""
+    import dataclasses
+
+    fields = {}
+    for f in dataclasses.fields(config):
+        value = getattr(config, f.name)
+        if f.name in _PER_RANK or value == f.default:
+            continue
+        if value is not None and not isinstance(value, str | int | float | bool):
+            raise TypeError(f"GroupConfig.{f.name} = {value!r} cannot be sent to SGLang workers")
+        fields[f.name] = value
+    return GroupSpec(config=fields, engine_offset=engine_offset, budget_bytes=budget_bytes)
 
 
 def command_payload(cmd: Command) -> str:
@@ -284,3 +290,55 @@ class SglangEngine:
                 out.append(protocol.reply_decoder.decode(store.get(k)))
                 store.delete_key(k)
         return out
+
+
+class SglangEngines:
+    """SGLang servers as :class:`reshard.engines.Engines`: ``sender.push(n,
+    engines=SglangEngines(["http://engine-0:30000", ...]))``. Engine ``i``'s
+    workers take the refit ranks after engine ``i-1``'s; all engines are
+    refitted concurrently, each paused, updated, flushed and resumed."""
+
+    def __init__(
+        self,
+        urls: str | Sequence[str],
+        *,
+        pause: str | None = "retract",
+        api_key: str | None = None,
+        budget_bytes: int = 256 << 20,
+    ) -> None:
+        urls = [urls] if isinstance(urls, str) else list(urls)
+        self.engines = [SglangEngine(u, api_key=api_key, budget_bytes=budget_bytes) for u in urls]
+        self.pause = pause
+        self.config: GroupConfig | None = None
+
+    @property
+    def paused(self) -> bool:
+        return any(e.paused for e in self.engines)
+
+    def init(self, config: GroupConfig) -> None:
+        offset = 0
+        for e in self.engines:
+            e.engine_offset = offset
+            offset += e.tp_size
+        if offset != config.num_destinations:
+            raise ReshardError(
+                f"the SGLang servers have {offset} TP workers in all, the refit group expects "
+                f"num_destinations={config.num_destinations}"
+            )
+        self.config = config
+
+    def refit(self, refit: int, *, method: str = "reshard") -> list[dict[str, Any]]:
+        import msgspec
+
+        if self.config is None:
+            raise ReshardError("call init(config) before refit")
+        config = self.config
+        with concurrent.futures.ThreadPoolExecutor(len(self.engines), thread_name_prefix="reshard-sglang") as pool:
+            futures = [pool.submit(e.refit, refit, config, method=method, pause=self.pause) for e in self.engines]
+            concurrent.futures.wait(futures)
+        errors = [f.exception() for f in futures if f.exception() is not None]
+        if errors:
+            # A server left paused with mixed weights is the one to report first.
+            mixed = [e for e in errors if isinstance(e, MixedWeightsError)]
+            raise (mixed or errors)[0]  # type: ignore[misc]
+        return [msgspec.structs.asdict(r) for f in futures for r in f.result()]

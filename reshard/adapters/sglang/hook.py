@@ -85,17 +85,7 @@ def _parallel() -> tuple[int, int, int]:
 def group_config(spec: GroupSpec) -> GroupConfig:
     from reshard.transport.group import GroupConfig
 
-    return GroupConfig(
-        address=spec.address,
-        num_sources=spec.num_sources,
-        num_destinations=spec.num_destinations,
-        job=spec.job,
-        generation=spec.generation,
-        timeout_s=spec.timeout_s,
-        backend=spec.backend,
-        domain=spec.domain,
-        host_store=False,
-    )
+    return GroupConfig(**spec.config, host_store=False)  # type: ignore[arg-type]
 
 
 def _run(model, cmd: Command) -> Reply:

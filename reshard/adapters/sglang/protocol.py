@@ -23,19 +23,32 @@ PREFIX = "reshard:"
 
 
 class GroupSpec(msgspec.Struct, frozen=True, kw_only=True):
-    """The refit group as an engine worker joins it (see :class:`reshard.GroupConfig`)."""
+    """The refit group as an engine's workers join it."""
 
-    address: str
-    num_sources: int
-    num_destinations: int
-    job: str = "reshard"
-    generation: int = 0
-    timeout_s: float = 300.0
-    backend: str = "auto"
-    domain: str | None = None
+    config: dict[str, str | int | float | bool | None]
+    """:class:`reshard.GroupConfig` fields, without the per-rank ones
+    (``host_store``, ``store_bind``, ``domain``) and without the job token,
+    which never travels over HTTP: workers read ``$RESHARD_TOKEN`` from the
+    server's environment."""
     engine_offset: int = 0
     """Refit ranks of this engine's workers start at ``num_sources + engine_offset``."""
     budget_bytes: int = 256 << 20
+
+    @property
+    def address(self) -> str:
+        return str(self.config["address"])
+
+    @property
+    def job(self) -> str:
+        return str(self.config.get("job", "reshard"))
+
+    @property
+    def num_sources(self) -> int:
+        return int(self.config["num_sources"])  # type: ignore[arg-type]
+
+    @property
+    def timeout_s(self) -> float:
+        return float(self.config.get("timeout_s", 300.0))  # type: ignore[arg-type]
 
 
 class Command(msgspec.Struct, frozen=True, kw_only=True):
