@@ -114,6 +114,9 @@ class VllmEngines:
     fails, at the cost of one materialized copy of its weights during the
     refit (see :meth:`reshard.adapters.vllm.receiver.VllmReceiver.pull`).
 
+    A job token (``GroupConfig.token``) is handed to offline engines; servers
+    read ``$RESHARD_TOKEN`` from their own environment instead.
+
     Without ``atomic``, a refit that fails after some layers took their new
     weights leaves a worker *mixed*; a server with such a worker stays
     paused (it queues requests and generates nothing) until a refit
@@ -140,14 +143,19 @@ class VllmEngines:
         self.config: GroupConfig | None = None
 
     def init(self, config: GroupConfig) -> None:
-        base = {k: v for k, v in asdict(config).items() if k != "host_store" and v is not None}
+        base = {k: v for k, v in asdict(config).items() if k not in ("host_store", "store_bind") and v is not None}
         if self.budget_bytes is not None:
             base["budget_bytes"] = self.budget_bytes
         base["atomic"] = self.atomic
         self.workers = []
         offset = 0
         for e in self.engines:
-            summaries = init_workers(e, {**base, "engine_offset": offset})
+            cfg = {**base, "engine_offset": offset}
+            if isinstance(e, HttpEngine):
+                # The job token never travels over HTTP: servers read
+                # $RESHARD_TOKEN from their own environment.
+                cfg.pop("token", None)
+            summaries = init_workers(e, cfg)
             self.workers.append(summaries)
             offset += len(summaries)
         if offset != config.num_destinations:
