@@ -260,6 +260,7 @@ def test_mutated_layouts_are_rejected_clearly_or_planned(p, data):
         (dict(grids=(Grid(tensors=(0, 5, 1), mesh=Mesh(shape=(2,)), shard=((0,), ())),)), "of a table of 1"),
         (dict(grids=(Grid(tensors=(0, 1, 0), mesh=Mesh(shape=(2,)), shard=((0,), ())),)), "of a table of 1"),
         (dict(version=2), "layout version 2"),
+        (dict(tensors=(TensorMeta("w", (4, 6), "float32"),) * 2), "'w' appears twice in its table"),
     ],
 )
 def test_malformed_layouts_are_named_precisely(change, needle):
@@ -272,3 +273,25 @@ def test_malformed_layouts_are_named_precisely(change, needle):
     with pytest.raises(MetadataError, match="layout of rank") as e:
         wire.check_layout(msgspec.structs.replace(base, **change), ranks=range(0, 3))
     assert needle in str(e.value)
+
+
+@pytest.mark.parametrize("grid", [False, True])
+def test_source_ranks_that_disagree_on_a_tensors_rank_are_a_plan_error(grid):
+    """Found by the fuzzer: boxes of a rank that disagrees on a tensor's shape
+    used to reach the overlap math (IndexError)."""
+    a, b = TensorMeta("w", (4, 6), "float32"), TensorMeta("w", (24,), "float32")
+    s0 = Layout(
+        rank=0, tensors=(a,), locals=(LocalTensor("w", (2, 6)),), pieces=(Piece(0, Box((0, 0), (2, 6)), 0, (0, 0)),)
+    )
+    s1 = Layout(rank=1, tensors=(b,), locals=(LocalTensor("w", (24,)),), pieces=(Piece(0, Box((0,), (24,)), 0, (0,)),))
+    if grid:
+        s1 = Layout(
+            rank=1, tensors=(b,), grids=(Grid(tensors=(0, 1, 1), mesh=Mesh(shape=(1,), start=1), shard=((0,),)),)
+        )
+    d = Layout(
+        rank=2, tensors=(a,), locals=(LocalTensor("w", (4, 6)),), pieces=(Piece(0, Box((0, 0), (4, 6)), 0, (0, 0)),)
+    )
+    assert _plan_everything([s0, s1], [d], {0: 0, 1: 0, 2: 0}) == "plan"
+    planner = Planner(LayoutSet.from_layouts("source", [s0, s1]), LayoutSet.from_layouts("destination", [d]))
+    with pytest.raises(PlanError, match="source ranks disagree on tensor 'w'"):
+        planner.plan_for(2)

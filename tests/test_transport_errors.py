@@ -155,3 +155,263 @@ def test_a_peer_killed_mid_transfer_fails_every_live_rank_within_the_timeout():
         assert r["step"] == "transfer", r
         assert r["seconds"] < 20, r  # the dead rank is noticed long before the 20 s timeout
         assert "rank 0" in r["error"] or "Connection closed" in r["error"] or "did not report" in r["error"]
+
+
+# -- the store's host dies ----------------------------------------------------------
+
+
+def _host_store(address: str, ready: str) -> None:
+    """A process that hosts the refit store (bound to its address) until killed."""
+    import pathlib
+
+    from reshard.transport.group import serve_store
+
+    serve_store(GroupConfig(address=address, num_sources=1, num_destinations=1))
+    pathlib.Path(ready).write_text(str(os.getpid()))
+    time.sleep(3600)
+
+
+def _start_store(address: str, path) -> tuple:
+    import multiprocessing as mp
+
+    ready = path / f"ready.{time.monotonic_ns()}"
+    p = mp.get_context("spawn").Process(target=_host_store, args=(address, str(ready)), daemon=True)
+    p.start()
+    deadline = time.monotonic() + 60
+    while not ready.exists():
+        assert time.monotonic() < deadline and p.is_alive(), "the store host did not start"
+        time.sleep(0.05)
+    return p, int(ready.read_text())
+
+
+def _wait_for(path, timeout: float = 120) -> str:
+    import pathlib
+
+    p = pathlib.Path(path)
+    deadline = time.monotonic() + timeout
+    while not p.exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{p} never appeared")
+        time.sleep(0.05)
+    time.sleep(0.05)
+    return p.read_text()
+
+
+BIG = TensorMeta("big", (512, 1024), "float32")
+
+
+def _big_endpoint(rank: int, cfg: GroupConfig, value: float, round_bytes: int = 64 << 10):
+    """Rank 0 holds the whole tensor; engine workers 1.. keep column blocks (staged)."""
+    if rank == 0:
+        local = torch.full((512, 1024), value)
+        ep = Sender.from_pieces(
+            [PieceSpec(BIG, Box((0, 0), (512, 1024)), "b", (512, 1024))],
+            {"b": local},
+            config=cfg,
+            rank=0,
+            round_bytes=round_bytes,
+        )
+        return ep, local
+    n = cfg.num_destinations
+    cols = 1024 // n
+    j = rank - 1
+    dst = torch.zeros(512, cols)
+    ep = Receiver(
+        {"b": dst},
+        [PieceSpec(BIG, Box((0, j * cols), (512, cols)), "b", (512, cols))],
+        config=cfg,
+        rank=rank,
+        round_bytes=round_bytes,
+    )
+    return ep, dst
+
+
+def _store_dies(rank: int, address: str, tmp: str) -> dict:
+    import pathlib
+
+    d = pathlib.Path(tmp)
+    cfg = GroupConfig(address=address, num_sources=1, num_destinations=2, timeout_s=8, host_store=False)
+    ep, t = _big_endpoint(rank, cfg, 1.0)
+    go = ep.push if rank == 0 else ep.pull
+    out: dict = {}
+    # 1. The store's host died before anyone connected.
+    t0 = time.monotonic()
+    try:
+        go(1)
+    except RefitError as e:
+        out["before"] = (e.step, str(e), time.monotonic() - t0)
+    (d / f"p1.{rank}").touch()
+    # 2. It is back; rank 0 kills it after its first round.
+    pid = int(_wait_for(d / "store2"))
+
+    def kill(i: int) -> None:
+        if rank == 0 and i == 0:
+            os.kill(pid, 9)
+
+    t0 = time.monotonic()
+    try:
+        go(1, after_round=kill)
+    except RefitError as e:
+        out["mid"] = (e.step, str(e), time.monotonic() - t0)
+    (d / f"p2.{rank}").touch()
+    # 3. It is back again: the same senders and receivers refit.
+    _wait_for(d / "store3")
+    if rank:
+        t.zero_()
+    go(1)
+    out["after"] = rank == 0 or bool((t == 1.0).all())
+    ep.close()
+    return out
+
+
+def test_the_store_host_dying_before_connect_or_mid_refit_fails_every_rank_and_the_next_refit_works(tmp_path):
+    import threading
+
+    address = f"127.0.0.1:{procs.free_port()}"
+    p, _ = _start_store(address, tmp_path)
+    p.kill()  # before anyone connects
+    p.join()
+    hosts = []
+
+    def conduct() -> None:
+        for phase, nxt in (("p1", "store2"), ("p2", "store3")):
+            for r in range(3):
+                _wait_for(tmp_path / f"{phase}.{r}", 180)
+            proc, pid = _start_store(address, tmp_path)
+            hosts.append(proc)
+            (tmp_path / nxt).write_text(str(pid))
+
+    th = threading.Thread(target=conduct, daemon=True)
+    th.start()
+    try:
+        out = procs.check(procs.run(_store_dies, 3, address, str(tmp_path), timeout=240))
+    finally:
+        for h in hosts:
+            h.kill()
+    for r in out:
+        step, text, secs = r["before"]
+        assert step == "join" and f"cannot reach the refit store at {address}" in text, text
+        assert secs < 8 + 5
+        step, text, secs = r["mid"]
+        assert step == "transfer", text
+        assert "is unreachable (did its host process die?)" in text, text
+        assert secs < 8 + 5
+        assert r["after"]
+
+
+# -- a leader dies while it forwards ------------------------------------------------
+
+
+def _leader_of(round_bytes: int) -> int:
+    """The engine worker that pulls from the trainer and forwards to the others
+    (same inputs as the ranks plan with, so the same answer)."""
+    from reshard.layouts import build_layout
+    from reshard.plan.planner import LayoutSet, Planner
+
+    full = Box((0, 0), (512, 1024))
+    layouts = [build_layout(r, [PieceSpec(BIG, full, "b", (512, 1024))]) for r in range(4)]
+    planner = Planner(
+        LayoutSet.from_layouts("source", layouts[:1]),
+        LayoutSet.from_layouts("destination", layouts[1:]),
+        domain_of={0: 1, 1: 0, 2: 0, 3: 0},  # labels "engines" < "trainer"
+        round_bytes=round_bytes,
+    )
+    leaders = {r for r in (1, 2, 3) for t in planner.plan_for(r).transfers() if t.kind == "fwd" and t.src.rank == r}
+    assert len(leaders) == 1, leaders
+    return leaders.pop()
+
+
+def _replica(rank: int, address: str, value: float, die_after: int | None) -> dict:
+    """Ranks 1-3 keep the whole tensor, in one domain: a leader pulls, forwards."""
+    cfg = GroupConfig(
+        address=address,
+        num_sources=1,
+        num_destinations=3,
+        timeout_s=20,
+        host_store=False,
+        domain="trainer" if rank == 0 else "engines",
+        checksums=True,
+    )
+    full = Box((0, 0), (512, 1024))
+    if rank == 0:
+        local = torch.full((512, 1024), value)
+        ep = Sender.from_pieces(
+            [PieceSpec(BIG, full, "b", (512, 1024))], {"b": local}, config=cfg, rank=0, round_bytes=256 << 10
+        )
+    else:
+        local = torch.zeros(512, 1024)
+        ep = Receiver(
+            {"b": local}, [PieceSpec(BIG, full, "b", (512, 1024))], config=cfg, rank=rank, round_bytes=256 << 10
+        )
+    forwarded: list[int] = []
+
+    def watch(plan) -> None:
+        forwarded.extend(t.round for t in plan.transfers() if t.kind == "fwd" and t.src.rank == rank)
+
+    def die(i: int) -> None:
+        if die_after is not None and i >= die_after:
+            os._exit(17)
+
+    out: dict = {}
+    t0 = time.monotonic()
+    try:
+        if rank == 0:
+            ep.push(1)
+        else:
+            ep.pull(1, before_transfer=watch, after_round=die)
+        out["first"] = None
+    except RefitError as e:
+        out["first"] = (e.step, str(e), time.monotonic() - t0)
+    return {"ep": ep, "local": local, "forwarded": forwarded, **out}
+
+
+def _first_life_of_the_leader(rank: int, address: str) -> None:
+    _replica(rank, address, 0.0, die_after=1)
+
+
+def _leader_dies(rank: int, address: str, leader: int) -> dict:
+    import multiprocessing as mp
+
+    if rank == leader:
+        # The leader's first life, in a child process that dies after it pulled
+        # two rounds and forwarded one; this process is its replacement.
+        child = mp.get_context("spawn").Process(target=_first_life_of_the_leader, args=(rank, address))
+        child.start()
+        child.join()
+        assert child.exitcode == 17, child.exitcode
+        r = _replica(rank, address, 0.0, die_after=None)  # refit 1, in the rebuilt group
+        ep, local = r["ep"], r["local"]
+        result = {"first": "died", "second": bool((local == 1.0).all())}
+    else:
+        r = _replica(rank, address, 1.0, die_after=None)
+        ep, local = r["ep"], r["local"]
+        result = {"first": r["first"]}
+        # The same sender and receivers, not restarted: refit 1 again.
+        if rank == 0:
+            ep.push(1)
+        else:
+            local.zero_()
+            ep.pull(1)
+        result["second"] = rank == 0 or bool((local == 1.0).all())
+    # And the rebuilt group carries the next refit too.
+    if rank == 0:
+        local.fill_(2.0)
+        ep.push(2)
+    else:
+        ep.pull(2)
+    result["third"] = rank == 0 or bool((local == 2.0).all())
+    ep.close()
+    return result
+
+
+def test_a_leader_killed_while_forwarding_fails_every_rank_and_the_group_is_rebuilt_for_the_next_refit():
+    leader = _leader_of(256 << 10)
+    server = procs.StoreServer()
+    out = procs.check(procs.run(_leader_dies, 4, server.address, leader, timeout=240, daemon=False))
+    for rank, r in enumerate(out):
+        if rank != leader:
+            step, text, secs = r["first"]
+            assert step == "transfer", text
+            assert f"rank {leader}" in text, text
+            assert secs < 20, secs  # noticed well before the 20 s timeout
+        assert r["second"] and r["third"], (rank, r)

@@ -228,7 +228,8 @@ class LayoutSet:
             for pos, ti in enumerate(rng):
                 meta = tensors[ti]
                 names.append(meta.name)
-                self.tensor_grids[meta.name].append((gid, pos))
+                if self.metas.get(meta.name) == meta:  # else a disagreement _declare reported
+                    self.tensor_grids[meta.name].append((gid, pos))
             self.grid_names.append(names)
             self.ranks.update(info.ranks)
             self._check_grid(info, [tensors[i] for i in rng])
@@ -276,6 +277,8 @@ class LayoutSet:
             )
             return
         meta = layout.tensors[p.tensor]
+        if self.metas.get(meta.name) != meta:
+            return  # this rank disagrees on the tensor (reported by _declare): its boxes do not fit
         loc = layout.locals[p.local]
         slot = Slot(rank, p.box, loc.name, loc.shape, p.offset or (0,) * len(loc.shape), p.dims)
         if self._check_slot(meta, slot, rank):

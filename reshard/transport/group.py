@@ -47,7 +47,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from reshard.errors import MetadataError, RefitError
+from reshard.errors import MetadataError, RefitError, _span
 from reshard.transport import wire
 from reshard.transport.auth import JobKeys, job_keys
 
@@ -228,15 +228,28 @@ def _connect(config: GroupConfig, rank: int) -> Any:
     try:
         if host_store:
             return serve_store(config)
-        return TCPStore(
+        # TCPStore's own connect retries can take twice its timeout: probe the
+        # port first, within the timeout, and give the store what is left.
+        deadline = time.monotonic() + config.timeout_s
+        while True:
+            try:
+                with socket.create_connection((config.host, config.port), timeout=1.0):
+                    break
+            except OSError:
+                if time.monotonic() + 0.1 >= deadline:
+                    raise
+                time.sleep(0.1)
+        store = TCPStore(
             config.host,
             config.port,
             None,
             False,
-            timeout=datetime.timedelta(seconds=config.timeout_s),
+            timeout=datetime.timedelta(seconds=max(1.0, deadline - time.monotonic())),
             wait_for_workers=False,
             use_libuv=True,
         )
+        store.set_timeout(datetime.timedelta(seconds=config.timeout_s))
+        return store
     except Exception as e:
         what = "host" if host_store else "reach"
         raise RefitError(
@@ -543,7 +556,18 @@ class RefitGroup:
         keys = [f"{prefix}/{r}" for r in range(self.world_size)]
         wait = self.config.timeout_s if timeout_s is None else timeout_s
         grace = min(self.config.timeout_s, ABORT_GRACE_S)
-        missing = self._wait_keys(keys, time.monotonic() + wait, step=step, abort_grace=grace, watch_epoch=True)
+        try:
+            missing = self._wait_keys(keys, time.monotonic() + wait, step=step, abort_grace=grace, watch_epoch=True)
+        except EpochMoved as e:
+            # Say what this rank was waiting for (a dead rank, usually).
+            with contextlib.suppress(Exception):
+                late = [int(k.rsplit("/", 1)[1]) for k in keys if not self.store.check([k])]
+                who = f"rank {late[0]}" if len(late) == 1 else f"ranks {_span(late)}"
+                why = self.aborted(refit)
+                text = f"{e.errors[self.rank]} while waiting for {who} to report step {step!r}"
+                e.errors[self.rank] = text + (f"; the refit was aborted by {why}" if why else "")
+                e.args = (str(RefitError(step, e.errors, version=refit)),)
+            raise
         present = [k for k in keys if k not in missing]
         try:
             values = self.store.multi_get(present) if present else []

@@ -138,9 +138,13 @@ def check_layout(layout: Layout, *, ranks: range) -> None:
         raise bad(f"rank {r} is outside its side's ranks {ranks.start}..{ranks.stop - 1}")
     if not 1 <= layout.version <= LAYOUT_VERSION:
         raise bad(f"layout version {layout.version}; this reshard reads versions 1 to {LAYOUT_VERSION}")
+    names: set[str] = set()
     for i, t in enumerate(layout.tensors):
         if not t.name:
             raise bad(f"tensor {i} has an empty name")
+        if t.name in names:
+            raise bad(f"tensor {t.name!r} appears twice in its table")
+        names.add(t.name)
         if t.dtype not in DTYPE_SIZES:
             raise bad(f"tensor {t.name!r} has unknown dtype {t.dtype!r}")
         _check_shape(t.shape, f"tensor {t.name!r}", bad)
