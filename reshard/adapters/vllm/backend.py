@@ -151,7 +151,7 @@ class ReshardTrainerEngine(TrainerWeightTransferEngine[ReshardTrainerInitInfo]):
     @classmethod
     def trainer_init(cls, init_info: ReshardTrainerInitInfo, *, client, source=None) -> ReshardTrainerEngine:
         from reshard.sender import Sender
-        from reshard.transport.group import GroupConfig
+        from reshard.transport.group import GroupConfig, serve_store
 
         module = getattr(source, "_module", source)
         if module is None:
@@ -177,7 +177,7 @@ class ReshardTrainerEngine(TrainerWeightTransferEngine[ReshardTrainerInitInfo]):
                 **init_info.worker_init,
             }
             # The store lives in this process; create it before the workers dial in.
-            _host_store(cfg)
+            serve_store(cfg)
             client.init_weight_transfer_engine({"init_info": worker})
         self.sender = Sender(module, config=cfg, rank=init_info.rank)
         self.refits = 0
@@ -234,19 +234,3 @@ def _close_failed_update(client) -> None:
     """
     with contextlib.suppress(Exception):
         client.finish_weight_update()
-
-
-_STORES: dict[str, object] = {}
-
-
-def _host_store(cfg) -> None:
-    """Keep a TCPStore server for ``cfg.address`` alive in this process."""
-    import datetime
-
-    from torch.distributed import TCPStore
-
-    if cfg.address in _STORES:
-        return
-    _STORES[cfg.address] = TCPStore(
-        cfg.host, cfg.port, None, True, timeout=datetime.timedelta(seconds=cfg.timeout_s), wait_for_workers=False
-    )
