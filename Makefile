@@ -31,7 +31,7 @@ $(STAMP): requirements/cpu.txt pyproject.toml
 sglang-setup: $(SGLANG_STAMP)
 
 $(SGLANG_STAMP): scripts/sglang_setup.sh
-	PYTHON=$(PYTHON) bash scripts/sglang_setup.sh $(SGLANG_VENV)
+	PYTHON=$(PYTHON) bash scripts/sglang_setup.sh $(abspath $(SGLANG_VENV))
 
 demo: setup
 	$(BIN)/reshard demo

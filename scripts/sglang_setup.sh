@@ -17,6 +17,9 @@
 set -euo pipefail
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 VENV=${1:-$REPO/.venv-sglang}
+# Absolute: the smoke test below runs from another directory.
+mkdir -p "$(dirname "$VENV")"
+VENV="$(cd "$(dirname "$VENV")" && pwd)/$(basename "$VENV")"
 PY=${PYTHON:-python3}
 STAMP="$VENV/.reshard-sglang-setup"
 WANT=$(sha256sum "${BASH_SOURCE[0]}" | cut -d' ' -f1)
