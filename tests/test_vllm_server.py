@@ -186,3 +186,58 @@ def test_refit_while_requests_generate_pause_swap_resume(server):
     new = [_complete(url, model, p, LONG) for p in prompts]
     assert new != old
     assert [r for r, _ in done["late"]] == new
+
+
+def _is_paused(url: str) -> bool:
+    with urllib.request.urlopen(f"{url}/is_paused", timeout=10) as r:
+        return bool(json.loads(r.read())["is_paused"])
+
+
+def test_a_server_left_with_mixed_weights_stays_paused_until_a_refit_succeeds(server):
+    """Default mode, a trainer dies half way through: some layers already run
+    on the new weights, so the driver leaves the server paused (requests wait,
+    none is served on mixed weights) until the next refit succeeds."""
+    from reshard.adapters.vllm.driver import VllmEngines
+    from reshard.errors import ReshardError
+
+    url, model = server["url"], server["model"]
+    store = procs.StoreServer()
+    cfg = GroupConfig(address=store.address, num_sources=1, num_destinations=1, timeout_s=20, host_store=False)
+    small = 64 << 10  # many rounds: the crash lands mid-transfer
+    engines = VllmEngines([url], budget_bytes=small)
+    engines.init(cfg)
+    target = server["v2"]
+    done: dict = {}
+    crash = threading.Thread(
+        target=lambda: done.setdefault(
+            "crash", procs.run(plain_trainer, 1, store.address, [target], 1, 1, 0, small, 20, timeout=120)
+        ),
+        daemon=True,
+    )
+    crash.start()
+    with pytest.raises(ReshardError, match="stay paused until a refit succeeds"):
+        engines.refit(1)
+    crash.join(timeout=120)
+    assert done["crash"][0].exitcode == 3
+    assert engines.mixed and _is_paused(url)
+
+    waiting = _send_all(url, model, [PROMPTS[0]], done, "waiting")
+    time.sleep(2.0)
+    assert done["waiting"] == [None], "a paused server must not generate"
+
+    # The next refit rebuilds the group by itself and resumes the server.
+    good = threading.Thread(
+        target=lambda: done.setdefault(
+            "good", procs.run(plain_trainer, 1, store.address, [target], 1, 2, 0, small, timeout=120)
+        ),
+        daemon=True,
+    )
+    good.start()
+    engines.refit(2)
+    good.join(timeout=120)
+    assert procs.check(done["good"]) == [{"ok": True}]
+    assert not engines.mixed and not _is_paused(url)
+    for t in waiting:
+        t.join(timeout=120)
+    ((result, _),) = done["waiting"]
+    assert result == _complete(url, model, PROMPTS[0], LONG)
