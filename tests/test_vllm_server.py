@@ -75,7 +75,7 @@ def server(tmp_path_factory):
         "--dtype",
         "float32",
         "--max-model-len",
-        "128",
+        "512",
         "--block-size",
         "32",
         "--max-num-seqs",
@@ -124,6 +124,7 @@ def test_http_refit_then_a_completion_on_the_new_weights(server):
 
 
 LONG = 100
+STREAMED = 400
 
 
 def _send_all(url: str, model: str, prompts: list[list[int]], done: dict, key: str) -> list[threading.Thread]:
@@ -142,15 +143,47 @@ def _send_all(url: str, model: str, prompts: list[list[int]], done: dict, key: s
     return threads
 
 
+def _stream(url: str, model: str, prompt: list[int], max_tokens: int, started: threading.Event, out: dict) -> None:
+    """A streamed completion: ``started`` is set at its first tokens, so the
+    caller knows the request is generating; ``out`` gets all its tokens."""
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+        "stream": True,
+    }
+    req = urllib.request.Request(
+        f"{url}/v1/completions", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
+    tokens: list[int] = []
+    try:
+        with urllib.request.urlopen(req, timeout=300) as r:
+            for raw in r:
+                line = raw.decode().strip()
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                for choice in json.loads(line[6:]).get("choices", []):
+                    tokens.extend(choice.get("token_ids") or [])
+                started.set()
+        out["tokens"], out["done_at"] = tokens, time.monotonic()
+    except Exception as e:
+        out["error"] = f"{type(e).__name__}: {e}"
+        started.set()
+
+
 def test_refit_while_requests_generate_pause_swap_resume(server):
-    """Requests in flight when the refit starts finish on the old weights
-    (pause mode ``wait``); requests sent while paused wait and then run on
-    the new weights; none is dropped or corrupted."""
+    """A request generating when the refit starts finishes on the old weights
+    (pause mode ``wait``); a request sent while paused waits, then runs on the
+    new weights; none is dropped or corrupted."""
     from reshard.adapters.vllm.driver import HttpEngine, VllmEngines
 
     url, model = server["url"], server["model"]
-    prompts = [PROMPTS[0], PROMPTS[1], [7, 8, 9], [40, 41]]
-    old = [_complete(url, model, p, LONG) for p in prompts]  # the weights the server has now
+    prompt, late_prompt = PROMPTS[0], PROMPTS[1]
+    old = _complete(url, model, prompt, STREAMED)  # the weights the server has now (batch of one, as below)
+    old_late = _complete(url, model, late_prompt, LONG)
     target = server["v1"]  # the first test left v2 in the server
 
     store = procs.StoreServer()
@@ -159,33 +192,36 @@ def test_refit_while_requests_generate_pause_swap_resume(server):
     engines.init(cfg)
     http = engines.engines[0]
     assert isinstance(http, HttpEngine)
+    done: dict = {}
     trainer = threading.Thread(
         target=lambda: done.setdefault("trainer", procs.run(plain_trainer, 1, store.address, [target], 1, 1, 0)),
         daemon=True,
     )
-    done: dict = {}
-    early = _send_all(url, model, prompts, done, "early")
-    time.sleep(0.2)
+    started, early = threading.Event(), {}
+    streaming = threading.Thread(target=_stream, args=(url, model, prompt, STREAMED, started, early), daemon=True)
+    streaming.start()
+    assert started.wait(timeout=120)
     t_pause = time.monotonic()
-    http.pause("wait")  # returns once the requests in flight are done
+    http.pause("wait")  # returns once the request in flight is done
     t_paused = time.monotonic()
-    late = _send_all(url, model, prompts, done, "late")
+    late = _send_all(url, model, [late_prompt], done, "late")
     trainer.start()
     time.sleep(1.0)
-    assert all(r is None for r in done["late"]), "requests must wait while the engine is paused"
+    assert done["late"] == [None], "requests must wait while the engine is paused"
     stats = engines.refit(1)  # pulls, resets the prefix cache, resumes
-    for t in early + late + [trainer]:
+    for t in [*late, trainer, streaming]:
         t.join(timeout=120)
     assert procs.check(done["trainer"]) == [{"ok": True}]
     assert stats[0]["ok"]
 
-    in_flight = [t_done for _, t_done in done["early"] if t_done > t_pause]
-    assert in_flight, "no request was still generating when the refit began; the test proves nothing"
-    assert [r for r, _ in done["early"]] == old
-    assert all(t_done >= t_paused for _, t_done in done["late"])
-    new = [_complete(url, model, p, LONG) for p in prompts]
-    assert new != old
-    assert [r for r, _ in done["late"]] == new
+    assert "error" not in early, early
+    assert early["done_at"] > t_pause, "the request must still be generating when the refit begins"
+    assert early["tokens"] == old
+    ((late_tokens, late_done),) = done["late"]
+    assert late_done >= t_paused
+    new = _complete(url, model, late_prompt, LONG)
+    assert new != old_late
+    assert late_tokens == new
 
 
 def _is_paused(url: str) -> bool:
