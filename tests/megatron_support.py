@@ -351,7 +351,7 @@ def engine_scenario(rank: int, v1: str, v2: str, address: str, trainers: int) ->
 
     from reshard.adapters.vllm.driver import init_workers, pull_workers
     from tests import procs
-    from tests.vllm_support import fresh_greedy, greedy, make_llm
+    from tests.vllm_support import fresh_greedy, greedy, make_llm, shutdown
 
     out: dict[str, Any] = {"fresh_v2": procs.check(procs.run(fresh_greedy, 1, v2, timeout=300))[0]}
     llm = make_llm(v1, 1)
@@ -388,5 +388,6 @@ def engine_scenario(rank: int, v1: str, v2: str, address: str, trainers: int) ->
         llm.collective_rpc("reload_from", args=(v2,))
         out["reference_digests"] = llm.collective_rpc("capture_end")
     finally:
+        shutdown(llm)
         del llm
     return out

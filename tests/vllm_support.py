@@ -49,6 +49,13 @@ def make_llm(path: str, tp: int, extension: str = "tests.vllm_support.CaptureExt
     )
 
 
+def shutdown(llm) -> None:
+    """Stop the engine now. A spawned test process exits without running
+    atexit handlers, so an engine still referenced (by a trainer engine's
+    client, say) would outlive it and hold its memory."""
+    llm.llm_engine.engine_core.shutdown()
+
+
 def greedy(llm) -> list[list[int]]:
     from vllm import SamplingParams
 
@@ -60,7 +67,10 @@ def greedy(llm) -> list[list[int]]:
 def fresh_greedy(rank: int, path: str) -> list[list[int]]:
     """Greedy tokens of a fresh TP=1 engine on ``path`` (run in its own process)."""
     llm = make_llm(path, 1, extension="reshard.adapters.vllm.ReshardWorkerExtension")
-    return greedy(llm)
+    try:
+        return greedy(llm)
+    finally:
+        shutdown(llm)
 
 
 def _digest(t) -> str:
@@ -294,6 +304,7 @@ def scenario(rank: int, kind: str, tp: int, v1: str, v2: str, address: str) -> d
         llm.collective_rpc("reload_from", args=(v2,))
         out["reference_digests"] = llm.collective_rpc("capture_end")
     finally:
+        shutdown(llm)
         del llm
     return out
 
@@ -350,6 +361,7 @@ def backend_scenario(rank: int, tp: int, v1: str, v2: str, port: int) -> dict[st
         llm.reset_prefix_cache()
         out["back"] = greedy(llm)
     finally:
+        shutdown(llm)
         del llm
     return out
 
@@ -512,5 +524,6 @@ def faults_scenario(rank: int, v1: str, v2: str, address: str, soak: int) -> dic
             }
             out["soak_last"] = target
     finally:
+        shutdown(llm)
         del llm
     return out

@@ -168,13 +168,15 @@ class VllmEngines:
     def refit(self, refit: int, *, method: str = "reshard") -> list[dict[str, Any]]:
         if self.config is None:
             raise RuntimeError("VllmEngines.init must run before a refit")
-        servers = [e for e in self.engines if isinstance(e, HttpEngine)]
-        for s in servers:
-            s.pause(self.pause_mode)
+        servers: list[HttpEngine] = []  # the ones paused so far
         results: list[list[dict[str, Any]] | None] = [None] * len(self.engines)
         errors: list[BaseException] = []
         mixed: list[Any] = []
         try:
+            for e in self.engines:
+                if isinstance(e, HttpEngine):
+                    e.pause(self.pause_mode)
+                    servers.append(e)
 
             def pull(i: int) -> None:
                 try:
