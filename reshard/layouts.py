@@ -8,20 +8,24 @@ the compact wire layout (one tensor table, locals, pieces, grids).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
+from reshard.errors import Problem
 from reshard.plan.box import Box
-from reshard.plan.layout import Grid, Layout, LocalTensor, Mesh, Piece, TensorMeta
+from reshard.plan.layout import Grid, GridInfo, Layout, LocalTensor, Mesh, Piece, TensorMeta, cast_ok, grid_box
 
-__all__ = ["GridSpec", "PieceSpec", "build_layout"]
+__all__ = ["GridSpec", "PieceSpec", "build_layout", "check_locals", "dtype_name"]
 
 
 @dataclass(frozen=True, slots=True)
 class PieceSpec:
     """Box ``box`` of canonical tensor ``tensor`` lives in local tensor
     ``local`` (of shape ``local_shape``) at ``offset``; global dim ``i`` runs
-    along local dim ``dims[i]`` (``()``: the same dims)."""
+    along local dim ``dims[i]`` (``()``: the same dims). ``local_dtype``: the
+    local tensor's dtype (``""``: the tensor's; a destination may keep
+    another floating-point dtype and cast on arrival)."""
 
     tensor: TensorMeta
     box: Box
@@ -29,6 +33,7 @@ class PieceSpec:
     local_shape: tuple[int, ...]
     offset: tuple[int, ...] = ()
     dims: tuple[int, ...] = ()
+    local_dtype: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,13 +85,98 @@ def build_layout(rank: int, pieces: Iterable[PieceSpec] = (), grids: Sequence[Gr
     for p in pieces:
         ti = tensor_index(p.tensor)
         li = local_index.get(p.local)
+        dtype = p.local_dtype or p.tensor.dtype
         if li is None:
             li = local_index[p.local] = len(locals_)
-            locals_.append(LocalTensor(p.local, tuple(p.local_shape)))
-        elif locals_[li].shape != tuple(p.local_shape):
+            locals_.append(LocalTensor(p.local, tuple(p.local_shape), dtype))
+        elif locals_[li].shape != tuple(p.local_shape) or locals_[li].dtype != dtype:
+            old = locals_[li]
             raise ValueError(
-                f"rank {rank}: local tensor {p.local!r} described with shapes {list(locals_[li].shape)} "
-                f"and {list(p.local_shape)}"
+                f"rank {rank}: local tensor {p.local!r} described as {list(old.shape)} {old.dtype} "
+                f"and as {list(p.local_shape)} {dtype} (for {p.tensor.name!r})"
             )
         out_pieces.append(Piece(ti, p.box, li, tuple(p.offset) or (0,) * len(p.local_shape), tuple(p.dims)))
     return Layout(rank=rank, tensors=tuple(table), locals=tuple(locals_), pieces=tuple(out_pieces), grids=out_grids)
+
+
+def dtype_name(t: Any) -> str:
+    """``torch.bfloat16`` -> ``bfloat16`` (the dtype names layouts use)."""
+    return str(t.dtype).removeprefix("torch.")
+
+
+def check_locals(layout: Layout, tensors: Mapping[str, Any], *, role: str) -> list[Problem]:
+    """What is wrong with the local tensors a rank gives for its ``layout``.
+
+    Every local tensor the layout names must exist with its shape, be
+    contiguous in memory (bytes are read and written in place) and have the
+    dtype its pieces say: a source local the canonical dtype of every tensor
+    stored in it, a destination local one that dtype casts to
+    (:func:`reshard.plan.layout.cast_ok`). ``role``: ``source`` or
+    ``destination``. Empty when all is well; the session reports these at the
+    ``plan`` step, so every rank raises before any byte moves.
+    """
+    rank = layout.rank
+    problems: list[Problem] = []
+
+    def bad(name: str, tensor: str, text: str) -> None:
+        problems.append(
+            Problem(
+                kind="local", tensor=tensor, ranks=(rank,), message=f"{role} rank {rank}: local tensor {name!r} {text}"
+            )
+        )
+
+    def check(name: str, shape: tuple[int, ...], dtype: str, metas: Iterable[TensorMeta]) -> None:
+        metas = list(metas)
+        first = metas[0].name if metas else ""
+        t = tensors.get(name)
+        if t is None:
+            bad(name, first, f"(for {first!r}) is named by the layout but not given")
+            return
+        if tuple(t.shape) != tuple(shape):
+            bad(name, first, f"has shape {list(t.shape)}, its layout says {list(shape)} (for {first!r})")
+            return
+        have = dtype_name(t)
+        if dtype and have != dtype:
+            bad(name, first, f"is {have}, its layout says {dtype} (for {first!r})")
+            return
+        for meta in metas:
+            ok = have == meta.dtype if role == "source" else cast_ok(meta.dtype, have)
+            if not ok:
+                need = "must have its dtype" if role == "source" else "cannot receive it by a cast"
+                bad(name, meta.name, f"is {have} but holds {meta.name!r} of dtype {meta.dtype} ({need})")
+                return
+        if t.numel() and not t.is_contiguous():
+            bad(
+                name,
+                first,
+                f"of shape {list(t.shape)} (for {first!r}) is not contiguous in memory; reshard reads "
+                "and writes local tensors in place",
+            )
+
+    by_local: dict[int, list[TensorMeta]] = {}
+    for p in layout.pieces:
+        if 0 <= p.local < len(layout.locals) and 0 <= p.tensor < len(layout.tensors):
+            by_local.setdefault(p.local, []).append(layout.tensors[p.tensor])
+    for i, loc in enumerate(layout.locals):
+        check(loc.name, loc.shape, loc.dtype, _unique(by_local.get(i, ())))
+    for g in layout.grids:
+        info = GridInfo(g)
+        coords = info.coord_of.get(rank, ())
+        metas = layout.tensors[slice(*g.tensors)]
+        if g.local is not None:
+            if coords:
+                check(g.local.name, g.local.shape, g.local.dtype, _unique(metas))
+            continue
+        for meta in metas:
+            for c in coords:
+                box = grid_box(g, meta.shape, c)
+                if box.numel:
+                    check(meta.name, box.sizes, meta.dtype, (meta,))
+    return problems
+
+
+def _unique(metas: Iterable[TensorMeta]) -> list[TensorMeta]:
+    seen: dict[str, TensorMeta] = {}
+    for m in metas:
+        seen.setdefault(m.dtype, m)
+    return list(seen.values())

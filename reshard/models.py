@@ -9,6 +9,7 @@ meta device (no weights), and its checkpoint conversion mapping backwards
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from functools import lru_cache
 from importlib import resources
@@ -77,8 +78,13 @@ def canonical_tensors(config: dict[str, Any], *, dtype: str | None = None) -> li
     """Checkpoint names, shapes and dtypes of the model a config describes.
 
     Parameters take ``dtype`` (default: the config's ``torch_dtype``, else
-    bfloat16); persistent buffers keep their own dtype. Tied parameters
-    appear once, under the name transformers lists first.
+    bfloat16), except those transformers keeps in float32 when it loads a
+    checkpoint at that dtype (``_keep_in_fp32_modules_strict``, and
+    ``_keep_in_fp32_modules`` for float16: DeepSeek-V3's
+    ``e_score_correction_bias``), so the table says what a trainer that
+    loaded the model with ``from_pretrained(dtype=...)`` holds. Persistent
+    buffers keep their own dtype. Tied parameters appear once, under the
+    name transformers lists first.
     """
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -95,12 +101,25 @@ def canonical_tensors(config: dict[str, Any], *, dtype: str | None = None) -> li
     state = model.state_dict(keep_vars=True)
     params = dict(model.named_parameters())
     persistent = [n for n, _ in model.named_buffers() if n in state]
+    keep_fp32 = _keep_in_fp32(model, torch_dtype)
     for n in list(params) + persistent:
         t = params.get(n)
         if t is None:
             t = state[n]
         tdt = str(t.dtype).removeprefix("torch.")
+        if keep_fp32 is not None and t.is_floating_point() and keep_fp32.search(n):
+            tdt = "float32"
         for piece in names.split(n, tuple(t.shape)):
             out.append(TensorMeta(piece.name, piece.shape, tdt))
     out.sort(key=lambda m: natural_key(m.name))
     return out
+
+
+def _keep_in_fp32(model, dtype) -> re.Pattern | None:
+    """The parameter names transformers loads in float32 at ``dtype`` (its
+    ``dtype_plan``), as one pattern; ``None`` when there are none."""
+    plan = getattr(model, "_get_dtype_plan", None)
+    patterns = list(plan(dtype)) if callable(plan) else []
+    if not patterns:
+        return None
+    return re.compile("|".join(p.replace(".", r"\.").replace("*", ".*") for p in patterns))

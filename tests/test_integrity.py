@@ -176,7 +176,7 @@ def test_ranks_that_disagree_on_checksums_are_refused_at_join():
     out = procs.check(procs.run(_disagree, 2, f"127.0.0.1:{procs.free_port()}"))
     for text in out:
         assert text.startswith("join:"), text
-        assert "ranks disagree on GroupConfig.checksums: on for ranks [0], off for ranks [1]" in text
+        assert "ranks disagree on GroupConfig.checksums: on on rank(s) 0; off on rank(s) 1" in text
 
 
 @pytest.mark.parametrize("backend", ["gloo", "nccl"])

@@ -119,10 +119,24 @@ def test_shape_mismatch_names_tensor_shapes_and_ranks():
     )
 
 
-def test_dtype_mismatch():
+def test_dtype_mismatch_that_is_no_cast():
+    src = _grid_layouts(TensorMeta("w", (8,), "int32"), [0], 0)
+    dst = _grid_layouts(TensorMeta("w", (8,), "bfloat16"), [1], 0)
+    _expect("mismatch", r"int32, destination rank 1 needs shape \[8\] bfloat16 \(int32 cannot be cast", src, dst)
+    src = _grid_layouts(TensorMeta("w", (8,), "float8_e4m3fn"), [0], 0)
+    dst = _grid_layouts(TensorMeta("w", (8,), "float32"), [1], 0)
+    _expect("mismatch", "float8_e4m3fn cannot be cast to float32", src, dst)
+
+
+def test_float_dtypes_that_differ_move_in_the_source_dtype_and_cast_on_arrival():
     src = _grid_layouts(TensorMeta("w", (8,), "float32"), [0], 0)
     dst = _grid_layouts(TensorMeta("w", (8,), "bfloat16"), [1], 0)
-    _expect("mismatch", "bfloat16", src, dst)
+    planner = Planner(LayoutSet.from_layouts("source", src), LayoutSet.from_layouts("destination", dst))
+    assert planner.problems() == []
+    (t,) = planner.plan_for(1).transfers()
+    assert (t.dtype, t.dst.dtype, t.nbytes) == ("float32", "bfloat16", 32)
+    assert str(t).endswith("32B float32->bfloat16")
+    assert planner.order[0].dtype == "float32"
 
 
 def test_unknown_tensor():

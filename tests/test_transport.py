@@ -279,3 +279,57 @@ def test_staging_stays_within_the_budget_and_never_holds_a_whole_slice():
         assert 0 < o["peak"] <= o["budget"]
     # A receiver keeping a 2 MiB slice never stages more than the 256 KiB budget of it.
     assert all(o["peak"] < o["slice"] / 8 for o in out[2:])
+
+
+def _casts(rank: int, port: int, src_dtype: str, dst_dtype: str, rows: int) -> dict:
+    """The trainer holds ``src_dtype``, the engine keeps ``dst_dtype``: bytes
+    move in the source dtype and are cast on arrival, like an engine's own
+    ``param.copy_(loaded)``; by reshard and by the baseline."""
+    from reshard.layouts import PieceSpec
+    from reshard.plan.box import Box
+
+    meta = TensorMeta("w", (rows, 256), src_dtype)
+    cfg = GroupConfig(address=f"127.0.0.1:{port}", num_sources=2, num_destinations=2, timeout_s=60)
+    full = torch.randn(rows, 256, generator=torch.Generator().manual_seed(3)).to(getattr(torch, src_dtype))
+    half = rows // 2
+    if rank < 2:
+        local = full[rank * half : (rank + 1) * half].clone()
+        s = Sender.from_pieces(
+            [PieceSpec(meta, Box((rank * half, 0), (half, 256)), "w", (half, 256))], {"w": local}, config=cfg, rank=rank
+        )
+        s.push(1)
+        s.push(2, method="gather_broadcast")
+        s.close()
+        return {}
+    j = rank - 2
+    # The engine says its tensor is dst_dtype (its own guess of the canonical one) and keeps it so.
+    piece = PieceSpec(
+        TensorMeta("w", (rows, 256), dst_dtype),
+        Box((j * half, 0), (half, 256)),
+        "w",
+        (half, 256),
+        local_dtype=dst_dtype,
+    )
+    dst = torch.zeros(half, 256, dtype=getattr(torch, dst_dtype))
+    r = Receiver({"w": dst}, [piece], config=cfg, rank=rank)
+    want = full[j * half : (j + 1) * half].to(getattr(torch, dst_dtype))
+    out = {}
+    for refit, method in ((1, "reshard"), (2, "gather_broadcast")):
+        dst.zero_()
+        st = r.pull(refit, method=method)
+        out[method] = (_same_bits(dst, want), st.exec.casts, st.exec.bytes_received)
+    r.close()
+    return out
+
+
+@pytest.mark.parametrize("rows", [8, 2048])
+@pytest.mark.parametrize(("src", "dst"), [("bfloat16", "float32"), ("float32", "bfloat16"), ("float16", "bfloat16")])
+def test_float_dtypes_cast_on_arrival_bit_exactly(src, dst, rows):
+    out = procs.check(procs.run(_casts, 4, procs.free_port(), src, dst, rows))
+    nbytes = rows // 2 * 256 * getattr(torch, src).itemsize
+    for r in out[2:]:
+        same, casts, received = r["reshard"]
+        assert same
+        assert casts == {f"{src}->{dst}": nbytes}
+        assert received == nbytes
+        assert r["gather_broadcast"][0]

@@ -34,8 +34,8 @@ def _scenario(rank: int, address: str, case: str) -> dict:
             local = full[rows[0] : rows[0] + rows[1]].clone()
             meta = W
             if case == "dtype":
-                meta = TensorMeta("model.w", (8, 6), "bfloat16")
-                local = local.to(torch.bfloat16)
+                meta = TensorMeta("model.w", (8, 6), "int32")
+                local = local.to(torch.int32)
             box = Box((rows[0], 0), (rows[1], 6))
             Sender.from_pieces(
                 [PieceSpec(meta, box, "w", tuple(local.shape))], {"w": local}, config=cfg, rank=rank
@@ -64,7 +64,7 @@ def _scenario(rank: int, address: str, case: str) -> dict:
     ("case", "needle"),
     [
         ("shape", r"'model.w': source rank 0 has shape [8, 6] float32, destination rank 2 needs shape [8, 5]"),
-        ("dtype", r"source rank 0 has shape [8, 6] bfloat16, destination rank 2 needs shape [8, 6] float32"),
+        ("dtype", r"source rank 0 has shape [8, 6] int32, destination rank 2 needs shape [8, 6] float32 (int32 cannot"),
         ("missing", r"published by no source: 'model.v'"),
         ("uncovered", r"[4:8, 0:3] of 'model.w' (shape [8, 6]) needed by rank(s) [2] are held by no source"),
     ],

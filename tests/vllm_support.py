@@ -137,7 +137,7 @@ class CaptureExtension(ReshardWorkerExtension):
         from reshard.adapters.vllm.receiver import canonical_tensors_of
 
         cfg = self.model_runner.model_config
-        learned = learn_layout(self.model_runner.model, cfg, canonical_tensors_of(cfg))
+        learned = learn_layout(self.model_runner.model, cfg, canonical_tensors_of(cfg, self.vllm_config))
         return [
             (p.tensor.name, p.box.offsets, p.box.sizes, p.local, p.local_shape, p.offset, p.dims)
             for p in learned.pieces

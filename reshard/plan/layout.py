@@ -37,6 +37,7 @@ from reshard.plan.box import Box, chunk_range
 
 __all__ = [
     "DTYPE_SIZES",
+    "FLOAT_DTYPES",
     "LAYOUT_VERSION",
     "Grid",
     "Layout",
@@ -45,6 +46,7 @@ __all__ = [
     "Piece",
     "Slot",
     "TensorMeta",
+    "cast_ok",
     "dtype_size",
     "grid_box",
     "table_digest",
@@ -74,6 +76,18 @@ DTYPE_SIZES: dict[str, int] = {
 }
 
 
+FLOAT_DTYPES = frozenset({"float64", "float32", "float16", "bfloat16"})
+"""Dtypes a destination may keep a tensor in when the source holds another
+one of them: the receiver casts on arrival, as an engine's own loader does
+(``param.copy_(loaded_weight)``). Casts to or from integer and float8 types
+(which need scales) are refused."""
+
+
+def cast_ok(src: str, dst: str) -> bool:
+    """Can bytes of dtype ``src`` be received into a tensor of dtype ``dst``?"""
+    return src == dst or (src in FLOAT_DTYPES and dst in FLOAT_DTYPES)
+
+
 def dtype_size(dtype: str) -> int:
     try:
         return DTYPE_SIZES[dtype]
@@ -94,10 +108,17 @@ class TensorMeta(msgspec.Struct, frozen=True, array_like=True):
 
 
 class LocalTensor(msgspec.Struct, frozen=True, array_like=True):
-    """A tensor in a rank's memory that pieces land in (or are read from)."""
+    """A tensor in a rank's memory that pieces land in (or are read from).
+
+    ``dtype``: its element type (``""``: the dtype of the canonical tensors
+    stored in it). A source local always has its tensors' dtype; a
+    destination local may keep another floating-point dtype, and the
+    receiver casts what arrives (see :func:`cast_ok`).
+    """
 
     name: str
     shape: tuple[int, ...]
+    dtype: str = ""
 
 
 class Piece(msgspec.Struct, frozen=True, array_like=True):
@@ -223,7 +244,8 @@ def grid_box(grid: Grid, shape: Sequence[int], coord: Sequence[int]) -> Box:
 @dataclass(frozen=True, slots=True)
 class Slot:
     """One piece resolved to names: rank ``rank`` holds ``box`` of a tensor
-    in local tensor ``local`` (shape ``local_shape``) at ``offset``."""
+    in local tensor ``local`` (shape ``local_shape``, element type ``dtype``)
+    at ``offset``."""
 
     rank: int
     box: Box
@@ -231,6 +253,7 @@ class Slot:
     local_shape: tuple[int, ...]
     offset: tuple[int, ...]
     dims: tuple[int, ...] = ()
+    dtype: str = ""
 
     def local_box(self, box: Box) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """``(offsets, sizes)`` in the local tensor of global ``box`` (inside this slot)."""
@@ -319,8 +342,8 @@ class GridInfo:
         if box is None:
             box = grid_box(g, meta.shape, coord)
         if g.local is None:
-            return Slot(rank, box, meta.name, box.sizes, _zeros(len(meta.shape)), ())
-        return Slot(rank, box, g.local.name, g.local.shape, self.offset(position), g.dims)
+            return Slot(rank, box, meta.name, box.sizes, _zeros(len(meta.shape)), (), meta.dtype)
+        return Slot(rank, box, g.local.name, g.local.shape, self.offset(position), g.dims, g.local.dtype or meta.dtype)
 
     def offset(self, position: int) -> tuple[int, ...]:
         """Local offset of the chunk of the ``position``-th tensor (shared locals only)."""

@@ -55,6 +55,7 @@ from reshard.plan.layout import (
     Slot,
     TensorMeta,
     _zeros,
+    cast_ok,
     dtype_size,
     grid_box,
     table_digest,
@@ -280,7 +281,9 @@ class LayoutSet:
         if self.metas.get(meta.name) != meta:
             return  # this rank disagrees on the tensor (reported by _declare): its boxes do not fit
         loc = layout.locals[p.local]
-        slot = Slot(rank, p.box, loc.name, loc.shape, p.offset or (0,) * len(loc.shape), p.dims)
+        slot = Slot(
+            rank, p.box, loc.name, loc.shape, p.offset or (0,) * len(loc.shape), p.dims, loc.dtype or meta.dtype
+        )
         if self._check_slot(meta, slot, rank):
             self.tensor_slots[meta.name].append(slot)
 
@@ -469,7 +472,8 @@ class LayoutSet:
         return (tuple(geo[g] for g, _ in entries), tuple((x.rank, x.box) for x in st)), (entries, st)
 
 
-def _make_slot(store: tuple, grids: list[GridInfo], ref: tuple, rank: int, name: str) -> Slot:
+def _make_slot(store: tuple, grids: list[GridInfo], ref: tuple, rank: int, name: str, dtype: str) -> Slot:
+    """The slot behind ``ref``; ``dtype``: the tensor's dtype on that side."""
     if ref[0] == "s":
         return store[1][ref[1]]
     _, gi, _coord, box = ref
@@ -478,8 +482,8 @@ def _make_slot(store: tuple, grids: list[GridInfo], ref: tuple, rank: int, name:
     grid = info.grid
     local = grid.local
     if local is None:
-        return Slot(rank, box, name, box.sizes, _zeros(len(box.sizes)), ())
-    return Slot(rank, box, local.name, local.shape, info.offset(pos), grid.dims)
+        return Slot(rank, box, name, box.sizes, _zeros(len(box.sizes)), (), dtype)
+    return Slot(rank, box, local.name, local.shape, info.offset(pos), grid.dims, local.dtype or dtype)
 
 
 @dataclass(frozen=True, slots=True)
@@ -490,6 +494,10 @@ class Transfer:
     ``kind``: ``pull`` reads a source (trainer) slot; ``fwd`` reads a
     destination slot the sender received earlier in this refit (a leader
     forwarding inside its domain); ``copy`` stays on one rank.
+
+    ``dtype``: the element type on the wire, the source slot's (the
+    canonical dtype for a pull, the leader's for a forward); ``nbytes``
+    counts those. A destination slot of another dtype casts on arrival.
     """
 
     tensor: str
@@ -500,12 +508,16 @@ class Transfer:
     round: int
     nbytes: int
     ordinal: int
+    dtype: str = ""
 
     def sort_key(self) -> tuple:
         return (self.ordinal, self.box.offsets, self.box.sizes, self.dst.local, self.kind)
 
     def __str__(self) -> str:
-        return f"{self.tensor}{self.box} {self.src.rank}->{self.dst.rank} {self.kind} r{self.round} {self.nbytes}B"
+        cast = f" {self.dtype}->{self.dst.dtype}" if self.dst.dtype and self.dst.dtype != self.dtype else ""
+        return (
+            f"{self.tensor}{self.box} {self.src.rank}->{self.dst.rank} {self.kind} r{self.round} {self.nbytes}B{cast}"
+        )
 
 
 @dataclass(slots=True)
@@ -733,6 +745,8 @@ class Planner:
         self._region_problems: dict[tuple[int, int], list[Problem]] = {}
         self._grid_domains: dict[int, dict[int, list[tuple[int, tuple[int, ...]]]]] = {}
         with gc_paused():
+            # Destination tensors in checkpoint order; each takes the source's
+            # dtype (the canonical one) once its families are built.
             self.order: list[TensorMeta] = sorted(dests.metas.values(), key=lambda m: natural_key(m.name))
             self.ordinal = {m.name: i for i, m in enumerate(self.order)}
             self._families = self._build_families()
@@ -753,7 +767,8 @@ class Planner:
             if smeta is None:
                 missing.setdefault(name, [])
                 continue
-            if smeta is not meta and (smeta.shape != meta.shape or smeta.dtype != meta.dtype):
+            if smeta is not meta and (smeta.shape != meta.shape or not cast_ok(smeta.dtype, meta.dtype)):
+                why = "" if smeta.shape != meta.shape else f" ({smeta.dtype} cannot be cast to {meta.dtype} on arrival)"
                 self._problems.append(
                     Problem(
                         kind="mismatch",
@@ -762,11 +777,13 @@ class Planner:
                         message=(
                             f"tensor {name!r}: source rank {src.declared_by[name]} has shape {list(smeta.shape)} "
                             f"{smeta.dtype}, destination rank {dst.declared_by[name]} needs shape "
-                            f"{list(meta.shape)} {meta.dtype}"
+                            f"{list(meta.shape)} {meta.dtype}{why}"
                         ),
                     )
                 )
                 continue
+            # The canonical dtype is the source's: that is what moves.
+            meta = self.order[self.ordinal[name]] = smeta
             s_geo, s_store = src.describe(name)
             d_geo, d_store = dst.describe(name)
             key = (meta.shape, meta.dtype, s_geo, d_geo)
@@ -1116,10 +1133,13 @@ class Planner:
         block_rounds = self.rounds.block_rounds
         split = self.rounds.split
         itemsize = fam.itemsize
+        src_metas, dst_metas = self.sources.metas, self.dests.metas
         for m, ordinal in enumerate(fam.ordinals):
             name = fam.names[m]
             src_store = fam.src_store[m]
             dst_store = fam.dst_store[m]
+            src_dtype = src_metas[name].dtype
+            dst_dtype = dst_metas[name].dtype
             single = block_rounds[ordinal][0] if len(block_rounds[ordinal]) == 1 else None
             for part, period, rows, reg, base in prepared:
                 if rows is None:
@@ -1141,15 +1161,17 @@ class Planner:
                     row = rows[ordinal % period]
                 for kind, sr, s_from_dst, sref, dr, dref in row:
                     if s_from_dst:
-                        s_slot = _make_slot(dst_store, dst_grids, sref, sr, name)
+                        s_slot = _make_slot(dst_store, dst_grids, sref, sr, name, dst_dtype)
+                        wire_size = dtype_size(s_slot.dtype)
                     else:
-                        s_slot = _make_slot(src_store, src_grids, sref, sr, name)
-                    d_slot = _make_slot(dst_store, dst_grids, dref, dr, name)
+                        s_slot = _make_slot(src_store, src_grids, sref, sr, name, src_dtype)
+                        wire_size = itemsize
+                    d_slot = _make_slot(dst_store, dst_grids, dref, dr, name, dst_dtype)
                     parts = [(single, part)] if single is not None else split(ordinal, part)
                     for rnd, sub in parts:
                         if kind == "fwd":
                             rnd += 1
-                        t = Transfer(name, sub, s_slot, d_slot, kind, rnd, sub.numel * itemsize, ordinal)
+                        t = Transfer(name, sub, s_slot, d_slot, kind, rnd, sub.numel * wire_size, ordinal, s_slot.dtype)
                         rp = rounds.get(rnd)
                         if rp is None:
                             rp = rounds[rnd] = Round(rnd)

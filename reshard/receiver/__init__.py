@@ -49,16 +49,15 @@ class Receiver:
         check_tensors: bool = True,
     ) -> None:
         """``tensors``: local name -> tensor (a mapping may materialize
-        tensors lazily; then pass ``check_tensors=False``). ``rank``: this
-        worker's refit rank (``config.num_sources + engine worker index``)."""
+        tensors lazily; then pass ``check_tensors=False``, and each tensor is
+        checked when a refit first touches it). ``rank``: this worker's refit
+        rank (``config.num_sources + engine worker index``). Local tensors
+        are checked against the layout at every pull (shape, dtype,
+        contiguity), where a problem reaches every rank before any byte moves."""
         if rank < config.num_sources:
             raise ValueError(f"refit rank {rank} is a source rank; engine workers start at {config.num_sources}")
         if layout is None:
             layout = build_layout(rank, pieces, grids)
-        if check_tensors:
-            from reshard.sender import _check_locals
-
-            _check_locals(layout, tensors)
         if device is None:
             first = next(iter(tensors.values()), None) if check_tensors else None
             device = first.device if first is not None else "cpu"
@@ -72,6 +71,7 @@ class Receiver:
             device=device,
             budget_bytes=budget_bytes,
             round_bytes=round_bytes,
+            lazy=not check_tensors,
         )
 
     def connect(self) -> None:
@@ -88,7 +88,9 @@ class Receiver:
         before_transfer: Callable[[RankPlan], None] | None = None,
     ) -> RefitStats:
         """Receive refit number ``refit``. ``destinations`` overrides the
-        tensors to write into for this refit; ``before_transfer(plan)`` runs
+        tensors to write into for this refit (checked like the tensors given
+        at construction, unless it says ``reshard_lazy = True``: then each is
+        checked when first touched); ``before_transfer(plan)`` runs
         once every rank agreed to go ahead, before the first byte moves;
         ``after_round(i)`` after each round of this rank. ``method``:
         ``reshard``, or ``gather_broadcast`` (the baseline)."""

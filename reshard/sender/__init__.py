@@ -114,7 +114,8 @@ class Sender:
         return self
 
     def _init(self, config, rank, layout: Layout, tensors, device, budget_bytes, round_bytes) -> None:
-        _check_locals(layout, tensors)
+        # Local tensors are checked against the layout at every push, where a
+        # problem reaches every rank of the refit instead of only this one.
         if device is None:
             device = next(iter(tensors.values())).device if tensors else "cpu"
         self.rank = rank
@@ -157,7 +158,6 @@ class Sender:
         if self._describe is not None:
             # Local shards are re-read each time: a trainer may have replaced them.
             _, _, tensors = self._describe()
-            _check_locals(self.layout, tensors)
             self.session.tensors = tensors
         if engines is None:
             return self._push(refit, method, after_round)
@@ -202,18 +202,3 @@ def _default_rank() -> int:
     except ImportError:  # pragma: no cover
         pass
     return 0
-
-
-def _check_locals(layout: Layout, tensors: Mapping) -> None:
-    """Every local tensor the layout names exists, has its shape and is contiguous."""
-    for loc in layout.locals:
-        t = tensors.get(loc.name)
-        if t is None:
-            raise ValueError(f"rank {layout.rank}: layout names local tensor {loc.name!r}, which is not given")
-        if tuple(t.shape) != tuple(loc.shape):
-            raise ValueError(
-                f"rank {layout.rank}: local tensor {loc.name!r} has shape {list(t.shape)}, "
-                f"layout says {list(loc.shape)}"
-            )
-        if not t.is_contiguous():
-            raise ValueError(f"rank {layout.rank}: local tensor {loc.name!r} is not contiguous in memory")

@@ -113,14 +113,10 @@ def describe_module(
             box = full_box(t.shape)
         if tuple(lt.shape) != box.sizes:
             raise ValueError(f"{name!r}: local shard of shape {list(lt.shape)} but its box is {box}")
-        if box.is_empty():
-            continue  # this rank holds nothing of it (an uneven split's empty tail)
-        if not lt.is_contiguous():
-            raise ValueError(f"{name!r}: local shard is not contiguous in memory; reshard reads it in place")
+        # (Contiguity and dtypes are checked against the layout at each push.)
         local_name = cname
         if local_name in local:
             raise ValueError(f"two tensors map to the checkpoint name {cname!r}; pass a rename function")
-        local[local_name] = lt
         if is_dt and len(split) == 1 and split[0].name == cname:
             spec = dtensor_grid(t, source_rank_of=source_rank_of)
             meta = TensorMeta(cname, tuple(t.shape), dtype)
@@ -129,8 +125,16 @@ def describe_module(
                 grid = Grid(tensors=(0, 1, 1), mesh=mesh, shard=shard)
                 coord = tuple(int(c) for c in t.device_mesh.get_coordinate())  # type: ignore[attr-defined]
                 if grid_box(grid, meta.shape, coord) == box:
+                    # Every rank of the mesh publishes the grid, also one whose
+                    # shard is empty (a tensor with fewer rows than ranks): the
+                    # grid speaks for all of them, so all must say it alike.
                     grids.append(GridSpec(meta, mesh, shard))
+                    local[local_name] = lt
                     continue
+        if box.is_empty():
+            continue  # this rank holds nothing of it (an uneven split's empty tail)
+        local[local_name] = lt
+        if is_dt and len(split) == 1 and split[0].name == cname:
             pieces.append(PieceSpec(meta, box, local_name, box.sizes))
             continue
         # Explicit pieces: each checkpoint tensor intersected with this rank's box.

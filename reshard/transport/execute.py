@@ -30,12 +30,15 @@ fail too.
 from __future__ import annotations
 
 import concurrent.futures as cf
+import hashlib
 import re
 import time
 import zlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
+
+import msgspec
 
 from reshard.errors import RefitError
 from reshard.plan.planner import RankPlan, Round, Transfer
@@ -45,7 +48,7 @@ if TYPE_CHECKING:
 
     from reshard.transport.group import RefitGroup
 
-__all__ = ["BIG_BYTES", "ExecStats", "Executor", "checksum", "messages", "staging_need"]
+__all__ = ["BIG_BYTES", "ExecStats", "Executor", "checksum", "link_summary", "messages", "staging_need"]
 
 BIG_BYTES = 1 << 20
 """Transfers at least this large travel as their own message."""
@@ -80,6 +83,17 @@ def messages(transfers: list[Transfer], big_bytes: int = BIG_BYTES) -> list[list
     return ([small] if small else []) + big
 
 
+def _receives_in_place(t: Transfer) -> bool:
+    """Can ``t`` be received straight into its destination (one contiguous run of the wire dtype)?"""
+    return t.dst.dtype in ("", t.dtype) and _is_contiguous_slice(t.dst, t.box)
+
+
+def _torch_dtype(name: str):
+    import torch
+
+    return getattr(torch, name)
+
+
 def _is_contiguous_slice(slot, box) -> bool:
     """Is the local region of ``box`` one contiguous run (row-major), in global dim order?"""
     if not slot.is_plain():
@@ -106,6 +120,29 @@ def staging_need(plan: RankPlan, big_bytes: int = BIG_BYTES, *, pipelined: bool 
     return 2 * need if pipelined and len(plan.rounds) > 1 else need
 
 
+def link_summary(
+    plan: RankPlan, big_bytes: int = BIG_BYTES
+) -> tuple[dict[int, tuple[int, int, int]], dict[int, tuple[int, int, int]]]:
+    """``(sends, recvs)``: per peer, ``(messages, bytes, digest)`` of what this
+    plan sends it and expects from it. The digest covers every message's
+    round, index, size and slices, so two peers whose plans differ in any
+    way that matters on the wire are caught before any byte moves."""
+    out: tuple[dict[int, list], dict[int, list]] = ({}, {})
+    for rnd in plan.rounds:
+        for side, by_peer in ((0, rnd.sends), (1, rnd.recvs)):
+            for peer, transfers in by_peer.items():
+                rows = out[side].setdefault(peer, [])
+                for i, msg in enumerate(messages(transfers, big_bytes)):
+                    rows.append((rnd.index, i, [(t.ordinal, t.box.offsets, t.box.sizes, t.nbytes) for t in msg]))
+    summary: tuple[dict[int, tuple[int, int, int]], dict[int, tuple[int, int, int]]] = ({}, {})
+    for side in (0, 1):
+        for peer, rows in out[side].items():
+            digest = hashlib.blake2b(msgspec.msgpack.encode(rows), digest_size=8).digest()
+            nbytes = sum(n for _, _, msg in rows for *_, n in msg)
+            summary[side][peer] = (len(rows), nbytes, int.from_bytes(digest, "little", signed=True))
+    return summary
+
+
 def _round_staging(rnd: Round, rank: int, big_bytes: int) -> tuple[int, dict]:
     """(bytes, layout) of the staging a round needs; layout maps keys to offsets."""
     offsets: dict[tuple, int] = {}
@@ -127,7 +164,7 @@ def _round_staging(rnd: Round, rank: int, big_bytes: int) -> tuple[int, dict]:
                 take(("slice", t.kind, t.src.local, t.src.offset, t.box), t.nbytes)
     for peer in sorted(rnd.recvs):
         for i, msg in enumerate(messages(rnd.recvs[peer], big_bytes)):
-            if len(msg) > 1 or msg[0].nbytes < big_bytes or not _is_contiguous_slice(msg[0].dst, msg[0].box):
+            if len(msg) > 1 or msg[0].nbytes < big_bytes or not _receives_in_place(msg[0]):
                 take(("recv", peer, i), packed_size(msg))
     return total, offsets
 
@@ -167,6 +204,11 @@ def checksum(buf: torch.Tensor, backend: str) -> torch.Tensor:
     return torch.stack([a, w])
 
 
+def _count_cast(stats: ExecStats, t: Transfer) -> None:
+    key = f"{t.dtype}->{t.dst.dtype}"
+    stats.casts[key] = stats.casts.get(key, 0) + t.nbytes
+
+
 def _describe(msg: list[Transfer], limit: int = 3) -> str:
     text = ", ".join(f"{t.tensor!r}{t.box}" for t in msg[:limit])
     return text + (f" and {len(msg) - limit} more" if len(msg) > limit else "")
@@ -202,6 +244,9 @@ class ExecStats:
     send_by_peer: dict[int, int] = field(default_factory=dict)
     checksum_seconds: float = 0.0
     """Time spent taking and checking checksums (``checksums=True``)."""
+    casts: dict[str, int] = field(default_factory=dict)
+    """Bytes received (or copied) in one dtype and cast into a local tensor of
+    another, by ``"src->dst"`` dtype pair (empty when every dtype matched)."""
 
     def as_dict(self) -> dict:
         return {k: getattr(self, k) for k in self.__slots__}
@@ -250,6 +295,7 @@ class Executor:
             )
         self._arena = torch.empty(need, dtype=torch.uint8, device=self.device) if need else None
         self._pool = cf.ThreadPoolExecutor(1, thread_name_prefix="reshard-wait")
+        self._checked: set[tuple[str, str]] = set()
 
     # -- views -------------------------------------------------------------
 
@@ -261,11 +307,27 @@ class Executor:
             table = self.destinations
             slot = t.dst
         try:
-            return table[slot.local]
+            tensor = table[slot.local]
         except KeyError:
             raise KeyError(
                 f"rank {self.plan.rank}: no local tensor {slot.local!r} for {t.tensor}{t.box} ({t.kind})"
             ) from None
+        key = (side if t.kind != "fwd" else "dst", slot.local)
+        if key not in self._checked:
+            # Mappings may materialize tensors lazily (an engine's parameters):
+            # check each against its layout before the first byte touches it.
+            have = str(tensor.dtype).removeprefix("torch.")
+            if tuple(tensor.shape) != tuple(slot.local_shape) or (slot.dtype and have != slot.dtype):
+                raise RefitError(
+                    "transfer",
+                    {
+                        self.plan.rank: f"local tensor {slot.local!r} for {t.tensor!r} is {list(tensor.shape)} "
+                        f"{have}, its layout says {list(slot.local_shape)} {slot.dtype}"
+                    },
+                    version=self.refit,
+                )
+            self._checked.add(key)
+        return tensor
 
     @staticmethod
     def _view(tensor: torch.Tensor, slot, box) -> torch.Tensor:
@@ -338,12 +400,17 @@ class Executor:
             pos = 0
             for t in msg:
                 dst = self._view(self._tensor(t, "dst"), t.dst, t.box)
-                dst.copy_(buf.narrow(0, pos, t.nbytes).view(dst.dtype).view(t.box.sizes))
+                # Viewed as the wire dtype; copy_ casts when the local keeps another.
+                dst.copy_(buf.narrow(0, pos, t.nbytes).view(_torch_dtype(t.dtype)).view(t.box.sizes))
+                if t.dst.dtype and t.dst.dtype != t.dtype:
+                    _count_cast(stats, t)
                 pos += _align(t.nbytes) if len(msg) > 1 else t.nbytes
         for t in p.round.copies:
             src = self._view(self._tensor(t, "src"), t.src, t.box)
             dst = self._view(self._tensor(t, "dst"), t.dst, t.box)
             dst.copy_(src)
+            if t.dst.dtype and t.dst.dtype != t.dtype:
+                _count_cast(stats, t)
             stats.bytes_copied += t.nbytes
         stats.rounds += 1
         if self.after_round is not None:

@@ -286,7 +286,20 @@ class RefitGroup:
     # -- joining -------------------------------------------------------------
 
     @classmethod
-    def join(cls, config: GroupConfig, *, rank: int, device: torch.device | str = "cpu") -> RefitGroup:
+    def join(
+        cls,
+        config: GroupConfig,
+        *,
+        rank: int,
+        device: torch.device | str = "cpu",
+        budget_bytes: int = 0,
+        round_bytes: int = 0,
+        big_bytes: int = 0,
+    ) -> RefitGroup:
+        """Join (see the module docstring). ``budget_bytes``, ``round_bytes``
+        and ``big_bytes`` are this rank's planning inputs, published in its
+        hello so that every rank plans from the same values
+        (:meth:`plan_inputs`)."""
         import torch
         from torch.distributed import PrefixStore
 
@@ -310,6 +323,11 @@ class RefitGroup:
             pid=os.getpid(),
             device=str(dev),
             checksums=config.checksums,
+            num_sources=config.num_sources,
+            num_destinations=config.num_destinations,
+            budget_bytes=budget_bytes,
+            round_bytes=round_bytes,
+            big_bytes=big_bytes,
         )
         hello_keys = [f"hello/{r}" for r in range(config.world_size)]
         try:
@@ -366,15 +384,49 @@ class RefitGroup:
             if h.rank != r:
                 raise RefitError("join", {rank: f"hello/{r} holds the hello of rank {h.rank}"})
             group.hellos[r] = h
-        on = [r for r, h in group.hellos.items() if h.checksums]
-        if on and len(on) != config.world_size:
-            off = [r for r, h in group.hellos.items() if not h.checksums]
-            raise RefitError(
-                "join",
-                {rank: f"ranks disagree on GroupConfig.checksums: on for ranks {on}, off for ranks {off}"},
-            )
+        group._check_hellos()
         group.pg = group._make_pg(dev, timeout)
         return group
+
+    def _check_hellos(self) -> None:
+        """Settings every rank must share, compared before any process group
+        exists: each rank reads the same hellos, so all refuse alike."""
+
+        def differ(what: str, value) -> None:
+            by_value: dict[object, list[int]] = {}
+            for r, h in sorted(self.hellos.items()):
+                by_value.setdefault(value(h), []).append(r)
+            if len(by_value) > 1:
+                text = f"ranks disagree on {what}: " + "; ".join(
+                    f"{v} on rank(s) {_span(rs)}" for v, rs in by_value.items()
+                )
+                raise RefitError("join", {self.rank: text}, agreed=True)
+
+        differ(
+            "the group's role split (GroupConfig num_sources, num_destinations)",
+            lambda h: f"{h.num_sources} sources + {h.num_destinations} destinations" if h.num_sources else "(not said)",
+        )
+        differ("GroupConfig.checksums", lambda h: "on" if h.checksums else "off")
+        for r, h in self.hellos.items():
+            expect = "source" if r < self.config.num_sources else "destination"
+            if h.role != expect:
+                raise RefitError(
+                    "join", {self.rank: f"rank {r} joined as a {h.role}; refit rank {r} is a {expect}"}, agreed=True
+                )
+
+    def plan_inputs(self) -> tuple[int, int, dict[int, int]]:
+        """``(round_bytes, big_bytes, budgets)`` every rank plans with: the
+        smallest round and message sizes any rank asked for, and each rank's
+        staging budget (ranks that said nothing take the defaults)."""
+        rounds = [h.round_bytes for h in self.hellos.values() if h.round_bytes > 0]
+        bigs = [h.big_bytes for h in self.hellos.values() if h.big_bytes > 0]
+        from reshard.transport.execute import BIG_BYTES
+
+        return (
+            min(rounds) if rounds else 0,
+            min(bigs) if bigs else BIG_BYTES,
+            {r: h.budget_bytes for r, h in self.hellos.items()},
+        )
 
     def _make_pg(self, dev: torch.device, timeout: datetime.timedelta) -> Any:
         from torch.distributed import PrefixStore

@@ -33,10 +33,11 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from reshard.errors import MetadataError, PlanError, Problem, RefitError, _span
+from reshard.layouts import check_locals
 from reshard.plan.layout import Layout, TensorMeta, table_digest
 from reshard.plan.planner import DEFAULT_ROUND_BYTES, LayoutSet, Planner, RankPlan, gc_paused
 from reshard.transport import wire
-from reshard.transport.execute import BIG_BYTES, ExecStats, Executor, staging_need
+from reshard.transport.execute import BIG_BYTES, ExecStats, Executor, link_summary, staging_need
 from reshard.transport.group import ABORT_GRACE_S, EpochMoved, GroupConfig, RefitGroup
 
 if TYPE_CHECKING:
@@ -45,6 +46,8 @@ if TYPE_CHECKING:
 __all__ = ["ABORT_GRACE_S", "RefitSession", "RefitStats"]
 
 DEFAULT_BUDGET_BYTES = 256 << 20
+_PLAN_ATTEMPTS = 8
+"""Times a refit shrinks its rounds to fit every rank's staging budget."""
 _REJOINS = 4
 """Rebuilds a refit follows before giving up (each is another rank's rejoin)."""
 
@@ -90,20 +93,31 @@ class RefitSession:
         budget_bytes: int = DEFAULT_BUDGET_BYTES,
         round_bytes: int | None = None,
         big_bytes: int = BIG_BYTES,
+        lazy: bool = False,
     ) -> None:
+        """``lazy``: ``tensors`` materializes tensors on demand (an engine's
+        parameters), so they are checked one by one as a refit touches them."""
         if layout.rank != rank:
             raise ValueError(f"layout is for rank {layout.rank}, session for rank {rank}")
         if budget_bytes <= 0:
             raise ValueError(f"budget_bytes must be positive, got {budget_bytes}")
+        if round_bytes is not None and round_bytes <= 0:
+            raise ValueError(f"round_bytes must be positive, got {round_bytes}")
+        if big_bytes <= 0:
+            raise ValueError(f"big_bytes must be positive, got {big_bytes}")
         self.config = config
         self.rank = rank
         self.layout = layout
         self.tensors = tensors
         self.device = device
         self.budget_bytes = budget_bytes
-        self.round_bytes = round_bytes or min(DEFAULT_ROUND_BYTES, budget_bytes // 2)
-        self._initial_round_bytes = self.round_bytes
-        self.big_bytes = big_bytes
+        self._asked = (round_bytes or max(1, min(DEFAULT_ROUND_BYTES, budget_bytes // 2)), big_bytes)
+        """Round and message sizes this rank asks for; the group plans with the
+        smallest any rank asked for (see :meth:`RefitGroup.plan_inputs`)."""
+        self.round_bytes, self.big_bytes = self._asked
+        self.lazy = lazy
+        self.budgets: dict[int, int] = {}
+        """Every rank's staging budget, as published when it joined."""
         self.group: RefitGroup | None = None
         self.planner: Planner | None = None
         self._plan: RankPlan | None = None
@@ -132,8 +146,17 @@ class RefitSession:
         raise RefitError("layout", {self.rank: f"the refit group was rebuilt {_REJOINS} times while joining"})
 
     def _connect(self) -> None:
-        group = RefitGroup.join(self.config, rank=self.rank, device=self.device)
+        group = RefitGroup.join(
+            self.config,
+            rank=self.rank,
+            device=self.device,
+            budget_bytes=self.budget_bytes,
+            round_bytes=self._asked[0],
+            big_bytes=self._asked[1],
+        )
         self.group = group
+        round_bytes, self.big_bytes, self.budgets = group.plan_inputs()
+        self.round_bytes = round_bytes or self._asked[0]
         try:
             self._layouts = self._exchange_layouts(group)
         except BaseException:
@@ -266,41 +289,68 @@ class RefitSession:
             self._drop()
             raise
 
+    def _local_problems(self, destinations: Mapping[str, torch.Tensor] | None) -> list[Problem]:
+        """What is wrong with the local tensors of this refit (see :func:`check_locals`).
+        Mappings that materialize tensors lazily (``reshard_lazy = True``, an
+        engine's parameters) are checked tensor by tensor as the executor
+        first touches them instead."""
+        tensors = destinations if destinations is not None else self.tensors
+        if getattr(tensors, "reshard_lazy", False) or (destinations is None and self.lazy):
+            return []
+        return check_locals(self.layout, tensors, role="source" if self.is_source else "destination")
+
     def _refit(self, refit, destinations, after_round, before_transfer, t0: float, started_at: float) -> RefitStats:
         group = self._enter(refit)
         agree_s = time.perf_counter() - t0
-        # a/b. plan and agree; shrink rounds until every rank's staging fits.
-        for _attempt in range(8):
-            step = "plan" if _attempt == 0 else f"plan.{_attempt}"
-            problems: tuple[Problem, ...] = ()
+        local = self._local_problems(destinations)
+        # a/b. plan and agree; shrink rounds until every rank's staging fits its budget.
+        for attempt in range(_PLAN_ATTEMPTS):
+            step = "plan" if attempt == 0 else f"plan.{attempt}"
+            problems: tuple[Problem, ...] = tuple(local)
             need = 0
+            links: tuple[dict, dict] = ({}, {})
             try:
                 planner = self._planner()
                 if self._plan is None:
                     self._plan = planner.plan_for(self.rank)
+                    self._links = link_summary(self._plan, self.big_bytes)
                 need = staging_need(self._plan, self.big_bytes)
+                links = self._links
             except PlanError as e:
-                problems = tuple(e.problems)
+                problems += tuple(e.problems)
             except Exception as e:
                 group.agree(
                     step, refit, wire.Status(rank=self.rank, step=step, refit=refit, ok=False, error=f"planning: {e}")
                 )
                 raise
             status = wire.Status(
-                rank=self.rank, step=step, refit=refit, ok=not problems, problems=problems, staging_need=need
+                rank=self.rank,
+                step=step,
+                refit=refit,
+                ok=not problems,
+                problems=problems,
+                staging_need=need,
+                sends=links[0],
+                recvs=links[1],
             )
             ta = time.perf_counter()
             statuses = group.agree(step, refit, status)
             agree_s += time.perf_counter() - ta
-            worst = max(s.staging_need for s in statuses)
-            if worst <= self.budget_bytes:
+            over = {s.rank: s.staging_need for s in statuses if s.staging_need > self._budget(s.rank)}
+            if not over:
                 break
-            shrunk = max(1, int(self.round_bytes * self.budget_bytes / worst * 0.9))
+            # One global decision from agreed inputs: every rank knows every
+            # rank's need (the statuses) and budget (the hellos).
+            shrunk = min(self.round_bytes * self._budget(r) * 9 // (need * 10) for r, need in over.items())
             if shrunk >= self.round_bytes:
                 shrunk = self.round_bytes // 2
-            if shrunk < 1:
-                break
+            if shrunk < 1 or attempt == _PLAN_ATTEMPTS - 1:
+                text = f"staging does not fit the budget even with rounds of {self.round_bytes} bytes: " + (
+                    "; ".join(f"rank {r} needs {n} bytes, its budget is {self._budget(r)}" for r, n in over.items())
+                )
+                raise RefitError("plan", dict.fromkeys(over, text), version=refit, agreed=True)
             self._replan(shrunk)
+        _check_links(statuses, refit)
         plan_s = time.perf_counter() - t0 - agree_s
         plan = self._plan
         assert plan is not None
@@ -355,6 +405,9 @@ class RefitSession:
             finished_at=time.time(),
         )
 
+    def _budget(self, rank: int) -> int:
+        return self.budgets.get(rank) or DEFAULT_BUDGET_BYTES
+
     def refit_baseline(
         self, refit: int, *, destinations: Mapping[str, torch.Tensor] | None = None, bucket_bytes: int | None = None
     ) -> RefitStats:
@@ -368,7 +421,9 @@ class RefitSession:
             self.tensors = destinations
         try:
             self._enter(refit)
-            ex = gather_broadcast(self, refit, bucket_bytes=bucket_bytes or self.budget_bytes)
+            # Buckets must cut alike on every rank: the smallest budget of any rank.
+            bucket_bytes = bucket_bytes or min(self.budgets.values(), default=0) or self.budget_bytes
+            ex = gather_broadcast(self, refit, bucket_bytes=bucket_bytes)
         except RefitError as e:
             if e.step == "transfer" or not e.agreed:
                 self._drop()
@@ -385,7 +440,7 @@ class RefitSession:
             plan_seconds=0.0,
             agree_seconds=0.0,
             total_seconds=time.perf_counter() - t0,
-            round_bytes=bucket_bytes or self.budget_bytes,
+            round_bytes=bucket_bytes,
             started_at=started_at,
             finished_at=time.time(),
         )
@@ -401,7 +456,34 @@ class RefitSession:
             self.group = None
         self.planner = None
         self._plan = None
-        self.round_bytes = self._initial_round_bytes
+        self.round_bytes, self.big_bytes = self._asked
 
     def close(self) -> None:
         self._drop()
+
+
+def _check_links(statuses: list[wire.Status], refit: int) -> None:
+    """Every message a plan sends is one its receiver's plan expects, with the
+    same size (checked by every rank on the same statuses, before any byte
+    moves: a receive never gets fewer or more bytes than it posted)."""
+    by_rank = {s.rank: s for s in statuses}
+    bad: dict[int, str] = {}
+    for s in statuses:
+        for peer in sorted(set(s.sends) | {r for r, o in by_rank.items() if s.rank in o.recvs}):
+            mine = s.sends.get(peer)
+            other = by_rank.get(peer)
+            theirs = other.recvs.get(s.rank) if other is not None else None
+            if mine == theirs:
+                continue
+            sent = f"{mine[0]} message(s), {mine[1]} bytes" if mine else "nothing"
+            expected = f"{theirs[0]} message(s), {theirs[1]} bytes" if theirs else "nothing"
+            if mine and theirs and mine[:2] == theirs[:2]:
+                expected += " of other slices"
+            text = (
+                f"rank {s.rank}'s plan sends rank {peer} {sent}, rank {peer}'s plan expects {expected}: the ranks "
+                "planned from different inputs (nothing was sent)"
+            )
+            bad.setdefault(s.rank, text)
+            bad.setdefault(peer, text)
+    if bad:
+        raise RefitError("plan", bad, version=refit, agreed=True)

@@ -58,6 +58,15 @@ class Hello(msgspec.Struct, frozen=True, kw_only=True, tag="hello"):
     version: int = WIRE_VERSION
     checksums: bool = False
     """Whether this rank runs refits with per-message checksums (all must agree)."""
+    num_sources: int = 0
+    """The group's role split as this rank was configured (all must agree; 0: not said)."""
+    num_destinations: int = 0
+    budget_bytes: int = 0
+    """This rank's staging budget: an input of the plan every rank knows."""
+    round_bytes: int = 0
+    """Round size this rank asks for; the group plans with the smallest asked."""
+    big_bytes: int = 0
+    """Message size from which transfers travel alone; the group uses the smallest asked."""
 
 
 class RankLayout(msgspec.Struct, frozen=True, kw_only=True, tag="layout"):
@@ -91,6 +100,11 @@ class Status(msgspec.Struct, frozen=True, kw_only=True, tag="status"):
     version: int = WIRE_VERSION
     last_refit: int = 0
     """Step ``enter``: the last refit that succeeded on this rank."""
+    sends: dict[int, tuple[int, int, int]] = {}
+    """Step ``plan``: per peer, the messages this rank's plan sends it
+    (count, bytes, digest of every message's round, index and size)."""
+    recvs: dict[int, tuple[int, int, int]] = {}
+    """Step ``plan``: per peer, the messages this rank's plan expects from it."""
 
 
 Message = Hello | RankLayout | Table | Status

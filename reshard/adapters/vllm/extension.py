@@ -129,6 +129,7 @@ class ReshardWorkerExtension:
             device=self.device,
             budget_bytes=int(extra.get("budget_bytes", 256 << 20)),
             atomic=bool(_flag(extra.get("atomic", False))),
+            vllm_config=self.vllm_config,
         )
         r = self._reshard
         return {

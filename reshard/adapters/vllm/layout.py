@@ -239,7 +239,8 @@ def learn_layout(model: torch.nn.Module, model_config, tensors: Iterable[TensorM
             unsupported.append(f"{pname} <- {src_meta.name}: dims cannot be matched")
             continue
         local_shapes[pname] = lshape
-        pieces.append(PieceSpec(src_meta, sbox, pname, lshape, dbox.offsets, dims))
+        local_dtype = str(p.dtype).removeprefix("torch.")
+        pieces.append(PieceSpec(src_meta, sbox, pname, lshape, dbox.offsets, dims, local_dtype))
         covered[pname] += sbox.numel
     zero_fill: dict[str, list[Box]] = defaultdict(list)
     for dkey, doff, dsz, dst_str, value in fills:

@@ -21,6 +21,7 @@ One refit (``VllmReceiver.pull``):
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -44,12 +45,53 @@ class EngineRefitError(ReshardError):
     """A refit failed after the engine's weights started to change."""
 
 
-def canonical_tensors_of(model_config) -> list[TensorMeta]:
-    """Checkpoint names, shapes and dtypes of the model this engine serves."""
+def canonical_tensors_of(model_config, vllm_config=None) -> list[TensorMeta]:
+    """Checkpoint names, shapes and dtypes of the model this engine serves,
+    from transformers (see :func:`reshard.models.canonical_tensors`).
+
+    vLLM's Transformers modeling backend decorates the transformers model
+    classes it serves (Olmo2, Starcoder2, ...) for torch.compile, for the
+    whole process: building one afterwards needs the current vLLM config.
+    The table is built inside ``vllm_config`` with compilation switched off
+    for those classes (the throwaway meta model is never run)."""
     from reshard.models import canonical_tensors
 
     dtype = str(model_config.dtype).removeprefix("torch.")
-    return canonical_tensors(model_config.hf_config.to_dict(), dtype=dtype)
+    with vllm_context(vllm_config), _compile_ignored():
+        return canonical_tensors(model_config.hf_config.to_dict(), dtype=dtype)
+
+
+@contextlib.contextmanager
+def vllm_context(vllm_config) -> Iterator[None]:
+    """``set_current_vllm_config(vllm_config)`` unless one is current (or none is given)."""
+    from vllm.config import get_current_vllm_config_or_none, set_current_vllm_config
+
+    if vllm_config is None or get_current_vllm_config_or_none() is not None:
+        yield
+        return
+    with set_current_vllm_config(vllm_config):
+        yield
+
+
+@contextlib.contextmanager
+def _compile_ignored() -> Iterator[None]:
+    """Mark every class vLLM decorated for torch.compile as not to compile, for a while."""
+    from vllm.compilation.decorators import IGNORE_COMPILE_KEY
+    from vllm.compilation.wrapper import TorchCompileWithNoGuardsWrapper
+
+    touched = []
+    stack = list(TorchCompileWithNoGuardsWrapper.__subclasses__())
+    while stack:
+        cls = stack.pop()
+        stack.extend(cls.__subclasses__())
+        if IGNORE_COMPILE_KEY in cls.__dict__:
+            touched.append((cls, cls.__dict__[IGNORE_COMPILE_KEY]))
+            setattr(cls, IGNORE_COMPILE_KEY, True)
+    try:
+        yield
+    finally:
+        for cls, value in touched:
+            setattr(cls, IGNORE_COMPILE_KEY, value)
 
 
 @dataclass(slots=True)
@@ -76,15 +118,20 @@ class VllmReceiver:
         budget_bytes: int = 256 << 20,
         tensors: list[TensorMeta] | None = None,
         atomic: bool = False,
+        vllm_config=None,
     ) -> None:
-        """``atomic``: the default for :meth:`pull` (see there)."""
+        """``atomic``: the default for :meth:`pull` (see there).
+        ``vllm_config``: the worker's config, current while this receiver
+        builds its layout and pulls (as during vLLM's own weight loading)."""
         self.model = model
         self.atomic = atomic
         self.mixed = False
         self.model_config = model_config
-        metas = tensors if tensors is not None else canonical_tensors_of(model_config)
+        self.vllm_config = vllm_config
         t0 = time.perf_counter()
-        self.learned: LearnedLayout = learn_layout(model, model_config, metas)
+        with vllm_context(vllm_config):
+            metas = tensors if tensors is not None else canonical_tensors_of(model_config, vllm_config)
+            self.learned: LearnedLayout = learn_layout(model, model_config, metas)
         self.learn_seconds = time.perf_counter() - t0
         problems = [f"cannot follow this loader: {u}" for u in self.learned.unsupported]
         problems += [
@@ -113,7 +160,8 @@ class VllmReceiver:
 
     @property
     def kept_bytes(self) -> int:
-        return sum(p.box.numel * _itemsize(p.tensor.dtype) for p in self.learned.pieces)
+        """Bytes of checkpoint tensors this worker keeps, in the dtypes it keeps them."""
+        return sum(p.box.numel * _itemsize(p.local_dtype or p.tensor.dtype) for p in self.learned.pieces)
 
     def pull(self, refit: int, *, method: str = "reshard", atomic: bool | None = None) -> dict[str, Any]:
         """Receive refit ``refit`` into the live model (collective with every refit rank).
@@ -127,7 +175,10 @@ class VllmReceiver:
         so a failed refit leaves every old weight in place; it costs one
         materialized copy of everything this worker keeps
         (:attr:`kept_bytes`) for the length of the refit."""
-        atomic = self.atomic if atomic is None else atomic
+        with vllm_context(self.vllm_config):
+            return self._pull(refit, method, self.atomic if atomic is None else atomic)
+
+    def _pull(self, refit: int, method: str, atomic: bool) -> dict[str, Any]:
         update = _Update(self)
         t0 = time.perf_counter()
         try:
@@ -324,6 +375,10 @@ def _attr(modules: dict[str, Any], full: str):
 
 class _LazyParams(Mapping):
     """Local name -> parameter data, materializing layers on first use."""
+
+    reshard_lazy = True
+    """Checked tensor by tensor as a refit touches them (materializing them
+    all up front would defeat the layerwise reload)."""
 
     def __init__(self, update: _Update) -> None:
         self.update = update
