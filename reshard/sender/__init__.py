@@ -136,6 +136,13 @@ class Sender:
         """Join the refit group now (``push`` does it on first use)."""
         self.session.connect()
 
+    def cancel(self, reason: str | None) -> None:
+        """Make this rank's refit in progress (or its next one) fail at once,
+        and abort it for every joined rank; ``None`` clears it. Call it from
+        another thread, e.g. when the engines this rank drives failed before
+        they joined the refit."""
+        self.session.cancel(reason)
+
     def push(
         self,
         refit: int,
@@ -172,13 +179,20 @@ class Sender:
                 replies.append(engines.refit(refit, method=method))
             except BaseException as e:  # re-raised below
                 errors.append(e)
+                self.cancel(f"the engines failed: {e}")
 
+        self.cancel(None)
         driver = threading.Thread(target=drive, name="reshard-drive-engines", daemon=True)
         driver.start()
         try:
             stats = self._push(refit, method, after_round)
-        finally:
+        except BaseException as push_error:
             driver.join()
+            if errors:
+                # The engines' own account (every worker's error) says more.
+                raise errors[0] from push_error
+            raise
+        driver.join()
         if errors:
             raise errors[0]
         self.engine_stats = replies[0] if replies else []

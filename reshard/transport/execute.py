@@ -612,6 +612,9 @@ class Executor:
             now = time.monotonic()
             if now >= next_check:
                 next_check = now + 0.25
+                why = group.cancelled() if group.cancelled is not None else None
+                if why:
+                    raise RefitError("transfer", {self.plan.rank: f"cancelled: {why}"}, version=self.refit)
                 msg = group.aborted(self.refit)
                 if msg is not None:
                     raise RefitError("transfer", {self.plan.rank: f"stopped: {msg}"}, version=self.refit)

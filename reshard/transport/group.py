@@ -280,6 +280,9 @@ class RefitGroup:
     epoch: int = 0
     seq: int = 0
     """Refits begun on this group; keys of a refit's steps carry it."""
+    cancelled: Any = None
+    """``() -> str | None``: why this rank's owner gave up on the refit in
+    progress (another thread says so); every wait checks it."""
     _ns: Any = None
     _tcp_store: Any = None
 
@@ -295,11 +298,12 @@ class RefitGroup:
         budget_bytes: int = 0,
         round_bytes: int = 0,
         big_bytes: int = 0,
+        cancelled: Any = None,
     ) -> RefitGroup:
         """Join (see the module docstring). ``budget_bytes``, ``round_bytes``
         and ``big_bytes`` are this rank's planning inputs, published in its
         hello so that every rank plans from the same values
-        (:meth:`plan_inputs`)."""
+        (:meth:`plan_inputs`). ``cancelled``: see :attr:`cancelled`."""
         import torch
         from torch.distributed import PrefixStore
 
@@ -364,6 +368,7 @@ class RefitGroup:
                 backend=backend,
                 keys=keys,
                 epoch=epoch,
+                cancelled=cancelled,
                 _ns=ns,
                 _tcp_store=tcp,
             )
@@ -538,6 +543,9 @@ class RefitGroup:
                 now = time.monotonic()
                 if now >= next_watch:
                     next_watch = now + _WATCH_S
+                    why = self.cancelled() if self.cancelled is not None else None
+                    if why:
+                        raise RefitError(step, {self.rank: f"cancelled: {why}"})
                     if abort_grace is not None and not aborted and store.check([self.abort_key(0)]):
                         aborted = True
                         deadline = min(deadline, now + abort_grace)

@@ -116,6 +116,7 @@ class RefitSession:
         smallest any rank asked for (see :meth:`RefitGroup.plan_inputs`)."""
         self.round_bytes, self.big_bytes = self._asked
         self.lazy = lazy
+        self._cancelled: str | None = None
         self.budgets: dict[int, int] = {}
         """Every rank's staging budget, as published when it joined."""
         self.group: RefitGroup | None = None
@@ -153,6 +154,7 @@ class RefitSession:
             budget_bytes=self.budget_bytes,
             round_bytes=self._asked[0],
             big_bytes=self._asked[1],
+            cancelled=lambda: self._cancelled,
         )
         self.group = group
         round_bytes, self.big_bytes, self.budgets = group.plan_inputs()
@@ -288,6 +290,8 @@ class RefitSession:
         except BaseException:
             self._drop()
             raise
+        finally:
+            self._cancelled = None  # a cancel is for one refit
 
     def _local_problems(self, destinations: Mapping[str, torch.Tensor] | None) -> list[Problem]:
         """What is wrong with the local tensors of this refit (see :func:`check_locals`).
@@ -405,6 +409,17 @@ class RefitSession:
             finished_at=time.time(),
         )
 
+    def cancel(self, reason: str | None) -> None:
+        """Make the refit in progress (or the next one) fail at once on this
+        rank, and abort it for every rank of the group if joined; ``None``
+        clears it. Safe from another thread (a driver whose engines failed
+        before they joined would otherwise leave this rank waiting for them
+        until the timeout)."""
+        self._cancelled = reason
+        group = self.group
+        if reason and group is not None:
+            group.signal_abort(0, f"rank {self.rank} cancelled the refit: {reason}")
+
     def _budget(self, rank: int) -> int:
         return self.budgets.get(rank) or DEFAULT_BUDGET_BYTES
 
@@ -433,6 +448,7 @@ class RefitSession:
             raise
         finally:
             self.tensors = saved
+            self._cancelled = None
         return RefitStats(
             refit=refit,
             rank=self.rank,

@@ -1,26 +1,41 @@
 """vLLM's native weight-transfer API with reshard behind it:
 ``--weight-transfer-config '{"backend": "reshard"}'``.
 
-Registered by the ``vllm.general_plugins`` entry point (``plugin.py``), so
-no user code runs inside vLLM. The worker side (:class:`ReshardEngine`) and
-the trainer side (:class:`ReshardTrainerEngine`) follow vLLM's contract:
+Registered by the ``vllm.general_plugins`` entry point (``plugin.py``) in
+engine processes, and by importing this module in trainer processes, so no
+user code runs inside vLLM. The worker side (:class:`ReshardEngine`) and the
+trainer side (:class:`ReshardTrainerEngine`) follow vLLM's contract, so
+vLLM's own weight-sync clients drive them: ``HTTPVLLMWeightSyncClient``
+(a server started with ``VLLM_SERVER_DEV_MODE=1``), ``RayVLLMWeightSyncClient``,
+or an offline ``LLM``.
 
-- ``init_weight_transfer_engine({"init_info": {...}})`` on every worker:
-  ``address``, ``num_sources``, ``num_destinations`` and optionally ``job``,
-  ``generation``, ``engine_offset``, ``timeout_s``, ``budget_bytes``,
-  ``domain``, ``atomic``. The worker learns its layout from vLLM's loaders.
+- ``init_weight_transfer_engine(init_info)`` on every worker, ``init_info``
+  a :class:`ReshardInitInfo` as a dict (``address``, ``num_sources``,
+  ``num_destinations`` and optionally ``job``, ``generation``,
+  ``engine_offset``, ``timeout_s``, ``budget_bytes``, ``domain``,
+  ``atomic``, ``checksums``). The worker learns its layout from vLLM's
+  loaders.
 - per refit: ``start_weight_update`` (nothing yet: the model is touched only
-  once every rank agreed on the plan), ``update_weights({"update_info":
-  {"refit": n}})`` (the whole pull, while trainer ranks push), then
-  ``finish_weight_update``.
+  once every rank agreed on the plan), ``update_weights({"refit": n})`` (the
+  whole pull, while trainer ranks push), then ``finish_weight_update``.
 
-It shares :class:`~reshard.adapters.vllm.receiver.VllmReceiver` with the
-worker extension.
+**Replies never go stale.** vLLM 0.32's multiprocess executor reads worker
+replies in rank order and stops at the first worker that raised; the other
+workers' replies stay queued and answer the *next* call. So every phase
+(parse, init, start, update, finish, shutdown) ends with the workers of one
+engine exchanging their outcomes over vLLM's own TP/PP CPU groups: if any
+failed, all reset to the same state (no update session open; after a failed
+init, no receiver) and only the last worker raises, with every worker's
+error in the message. The executor then reads every reply of the call. This
+guard wraps vLLM's worker methods (installed when the first reshard engine
+is created, active only for workers whose engine is reshard's), so it also
+covers vLLM's own session checks ("already active", "without a matching
+start").
 """
 
 from __future__ import annotations
 
-import contextlib
+import functools
 import threading
 from dataclasses import asdict, dataclass, field
 from typing import Any, ClassVar
@@ -30,10 +45,21 @@ from vllm.distributed.weight_transfer.base import (
     TrainerWeightTransferEngine,
     WeightTransferEngine,
     WeightTransferInitInfo,
+    WeightTransferInitRequest,
     WeightTransferUpdateInfo,
+    WeightTransferUpdateRequest,
 )
 
-__all__ = ["ReshardEngine", "ReshardInitInfo", "ReshardTrainerEngine", "ReshardTrainerInitInfo", "ReshardUpdateInfo"]
+from reshard.errors import ReshardError
+
+__all__ = [
+    "ReshardEngine",
+    "ReshardInitInfo",
+    "ReshardTrainerEngine",
+    "ReshardTrainerInitInfo",
+    "ReshardUpdateInfo",
+    "weight_sync_client",
+]
 
 
 @dataclass
@@ -48,6 +74,7 @@ class ReshardInitInfo(WeightTransferInitInfo):
     budget_bytes: int = 256 << 20
     domain: str | None = None
     atomic: bool = False
+    checksums: bool = False
 
 
 @dataclass
@@ -60,10 +87,13 @@ class ReshardEngine(WeightTransferEngine[ReshardInitInfo, ReshardUpdateInfo]):
     """The worker side: one per vLLM worker."""
 
     receiver: Any = None
-    failed: bool = False
     init_info_cls = ReshardInitInfo
     update_info_cls = ReshardUpdateInfo
     supports_draft_weight_update = False
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        _install_worker_guard()
 
     def init_transfer_engine(self, init_info: ReshardInitInfo) -> None:
         import torch.distributed as dist
@@ -71,9 +101,7 @@ class ReshardEngine(WeightTransferEngine[ReshardInitInfo, ReshardUpdateInfo]):
         from reshard.adapters.vllm.receiver import VllmReceiver
         from reshard.transport.group import GroupConfig
 
-        old = getattr(self, "receiver", None)
-        if old is not None:
-            old.close()
+        self.shutdown()
         cfg = GroupConfig(
             address=init_info.address,
             num_sources=init_info.num_sources,
@@ -82,6 +110,7 @@ class ReshardEngine(WeightTransferEngine[ReshardInitInfo, ReshardUpdateInfo]):
             generation=init_info.generation,
             timeout_s=init_info.timeout_s,
             domain=init_info.domain,
+            checksums=init_info.checksums,
             host_store=False,
         )
         worker_rank = dist.get_rank() if dist.is_initialized() else 0
@@ -93,36 +122,125 @@ class ReshardEngine(WeightTransferEngine[ReshardInitInfo, ReshardUpdateInfo]):
             device=self.device,
             budget_bytes=init_info.budget_bytes,
             atomic=init_info.atomic,
+            vllm_config=self.vllm_config,
         )
 
     def start_weight_update(self) -> None:
-        if getattr(self, "receiver", None) is None:
-            raise RuntimeError("init_weight_transfer_engine must run before a weight update")
+        if self.receiver is None:
+            raise RuntimeError("init_weight_transfer_engine must succeed before a weight update")
 
     def receive_weights(self, update_info: ReshardUpdateInfo) -> None:
-        import torch.distributed as dist
-
-        try:
-            self.receiver.pull(update_info.refit, method=update_info.method)
-        except Exception:
-            # vLLM 0.32's multiprocess executor stops reading replies at the
-            # first worker that raised; the others' replies would then answer
-            # the next call. Every rank holds the same error (reshard raises
-            # one error on every rank), so only the last worker raises it.
-            world = dist.get_world_size() if dist.is_initialized() else 1
-            rank = dist.get_rank() if dist.is_initialized() else 0
-            if rank == world - 1:
-                raise
-            self.failed = True
+        self.receiver.pull(update_info.refit, method=update_info.method)
 
     def finish_weight_update(self) -> None:
         """Nothing left: the pull already finalized vLLM's reload lifecycle."""
 
     def shutdown(self) -> None:
-        r = getattr(self, "receiver", None)
+        r = self.receiver
+        self.receiver = None
         if r is not None:
             r.close()
-            self.receiver = None
+
+
+# -- the worker guard ---------------------------------------------------------
+
+_GUARDED = (
+    "init_weight_transfer_engine",
+    "start_weight_update",
+    "update_weights",
+    "finish_weight_update",
+    "shutdown_weight_transfer_engine",
+)
+_guard_lock = threading.Lock()
+
+
+def _install_worker_guard() -> None:
+    """Wrap vLLM's worker methods once per process (idempotent)."""
+    from vllm.v1.worker.gpu_worker import Worker
+
+    with _guard_lock:
+        for name in _GUARDED:
+            method = getattr(Worker, name, None)
+            if method is not None and not getattr(method, "_reshard_guard", False):
+                setattr(Worker, name, _guarded(name, method))
+
+
+def _guarded(phase: str, method):
+    @functools.wraps(method)
+    def run(worker, *args: Any, **kwargs: Any):
+        engine = getattr(worker, "weight_transfer_engine", None)
+        if not isinstance(engine, ReshardEngine):
+            return method(worker, *args, **kwargs)
+        error: BaseException | None = None
+        out = None
+        try:
+            out = method(worker, *args, **kwargs)
+        except BaseException as e:  # re-raised below, by the last worker
+            error = e
+        me, last, failures = _exchange_failures(error)
+        if not failures:
+            return out
+        # The same state on every worker of the engine.
+        worker._weight_update_active = False
+        engine.reset_weight_update_target()
+        if phase == "init_weight_transfer_engine":
+            engine.shutdown()
+        if me != last:
+            return None
+        raise ReshardError(_describe(phase, failures)) from error
+
+    run._reshard_guard = True  # type: ignore[attr-defined]
+    return run
+
+
+def _describe(phase: str, failures: list[tuple[int, str]]) -> str:
+    by_text: dict[str, list[int]] = {}
+    for rank, text in failures:
+        by_text.setdefault(text, []).append(rank)
+    lines = [f"worker(s) {', '.join(map(str, ranks))}: {text}" for text, ranks in by_text.items()]
+    return f"reshard: {phase} failed; no worker keeps an update session open\n" + "\n".join(lines)
+
+
+def _exchange_failures(error: BaseException | None) -> tuple[int, int, list[tuple[int, str]]]:
+    """``(this worker, the last worker, failures)`` across the workers of this
+    engine (one executor: TP x PP), in the order the executor reads replies."""
+    from vllm.distributed.parallel_state import get_pp_group, get_tp_group
+
+    tp, pp = get_tp_group(), get_pp_group()
+    me = pp.rank_in_group * tp.world_size + tp.rank_in_group
+    last = tp.world_size * pp.world_size - 1
+    mine = [(me, f"{type(error).__name__}: {error}")] if error is not None else []
+    failures = mine
+    for group in (tp, pp):
+        if group.world_size > 1:
+            failures = _all_gather_failures(failures, group.cpu_group)
+    return me, last, sorted(failures)
+
+
+def _all_gather_failures(entries: list[tuple[int, str]], group) -> list[tuple[int, str]]:
+    """Every member's entries, over a CPU (gloo) group: lengths, then padded
+    msgpack bytes (no pickle)."""
+    import msgspec
+    import torch
+    import torch.distributed as dist
+
+    data = msgspec.msgpack.encode(entries)
+    n = dist.get_world_size(group)
+    size = torch.tensor([len(data)], dtype=torch.int64)
+    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(n)]
+    dist.all_gather(sizes, size, group=group)
+    width = max(int(s) for s in sizes)
+    buf = torch.zeros(width, dtype=torch.uint8)
+    buf[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else buf[:0]
+    bufs = [torch.zeros(width, dtype=torch.uint8) for _ in range(n)]
+    dist.all_gather(bufs, buf, group=group)
+    out: list[tuple[int, str]] = []
+    for b, s in zip(bufs, sizes, strict=True):
+        out += [(int(r), str(t)) for r, t in msgspec.msgpack.decode(b[: int(s)].numpy().tobytes())]
+    return out
+
+
+# -- the trainer side -----------------------------------------------------------
 
 
 @dataclass
@@ -136,8 +254,37 @@ class ReshardTrainerInitInfo(TrainerInitInfo):
     job: str = "reshard"
     generation: int = 0
     timeout_s: float = 300.0
+    checksums: bool = False
     worker_init: dict[str, Any] = field(default_factory=dict)
-    """Extra worker-side init keys (``engine_offset``, ``budget_bytes``, ``domain``)."""
+    """Extra worker-side init keys (``engine_offset``, ``budget_bytes``, ``domain``, ``atomic``)."""
+
+
+class _OfflineClient:
+    """An offline ``LLM`` as a weight-sync client: vLLM's clients take bare
+    dicts, ``LLM``'s methods take them wrapped in request objects."""
+
+    def __init__(self, llm: Any) -> None:
+        self.llm = llm
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        self.llm.init_weight_transfer_engine(WeightTransferInitRequest(init_info=init_info))
+
+    def start_weight_update(self) -> None:
+        self.llm.start_weight_update()
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        self.llm.update_weights(WeightTransferUpdateRequest(update_info=update_info))
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self.llm.finish_weight_update(weight_version)
+
+
+def weight_sync_client(client: Any) -> Any:
+    """``client`` as vLLM's ``VLLMWeightSyncClient`` protocol (bare dicts):
+    an offline ``LLM`` is wrapped; vLLM's HTTP and Ray clients pass as they are."""
+    from vllm.entrypoints.rl.offline import RLOfflineMixin
+
+    return _OfflineClient(client) if isinstance(client, RLOfflineMixin) else client
 
 
 class ReshardTrainerEngine(TrainerWeightTransferEngine[ReshardTrainerInitInfo]):
@@ -156,7 +303,7 @@ class ReshardTrainerEngine(TrainerWeightTransferEngine[ReshardTrainerInitInfo]):
         module = getattr(source, "_module", source)
         if module is None:
             raise ValueError("the reshard trainer engine needs a source module (vLLM's ModuleSource or an nn.Module)")
-        self = cls(client=client, source=source, is_sender=init_info.is_sender)
+        self = cls(client=weight_sync_client(client), source=source, is_sender=init_info.is_sender)
         cfg = GroupConfig(
             address=init_info.address,
             num_sources=init_info.num_sources,
@@ -164,23 +311,27 @@ class ReshardTrainerEngine(TrainerWeightTransferEngine[ReshardTrainerInitInfo]):
             job=init_info.job,
             generation=init_info.generation,
             timeout_s=init_info.timeout_s,
+            checksums=init_info.checksums,
             host_store=False,
         )
-        if self.is_sender:
-            worker = {
-                "address": init_info.address,
-                "num_sources": init_info.num_sources,
-                "num_destinations": init_info.num_destinations,
-                "job": init_info.job,
-                "generation": init_info.generation,
-                "timeout_s": init_info.timeout_s,
-                **init_info.worker_init,
-            }
-            # The store lives in this process; create it before the workers dial in.
-            serve_store(cfg)
-            client.init_weight_transfer_engine({"init_info": worker})
         self.sender = Sender(module, config=cfg, rank=init_info.rank)
         self.refits = 0
+        if self.is_sender:
+            worker = asdict(
+                ReshardInitInfo(
+                    address=init_info.address,
+                    num_sources=init_info.num_sources,
+                    num_destinations=init_info.num_destinations,
+                    job=init_info.job,
+                    generation=init_info.generation,
+                    timeout_s=init_info.timeout_s,
+                    checksums=init_info.checksums,
+                    **init_info.worker_init,
+                )
+            )
+            # The store lives in this process; create it before the workers dial in.
+            serve_store(cfg)
+            self.client.init_weight_transfer_engine(worker)
         return self
 
     def send_weights(self) -> None:
@@ -188,32 +339,35 @@ class ReshardTrainerEngine(TrainerWeightTransferEngine[ReshardTrainerInitInfo]):
         refit = self.refits
         errors: list[BaseException] = []
         driver = None
+        self.sender.cancel(None)
         if self.is_sender:
 
             def drive() -> None:
                 try:
-                    self.client.start_weight_update()
+                    _call(self.client.start_weight_update)
+                    _call(self.client.update_weights, asdict(ReshardUpdateInfo(refit=refit)))
+                    _call(self.client.finish_weight_update)
+                    # Cached prefixes were computed with the old weights.
+                    reset_prefix_cache(self.client)
                 except BaseException as e:  # re-raised below
                     errors.append(e)
-                    return
-                try:
-                    self.client.update_weights({"update_info": asdict(ReshardUpdateInfo(refit=refit))})
-                except BaseException as e:  # re-raised below
-                    errors.append(e)
-                    _close_failed_update(self.client)
-                    return
-                try:
-                    self.client.finish_weight_update()
-                except BaseException as e:  # re-raised below
-                    errors.append(e)
+                    # Engines that failed before they joined would leave this
+                    # rank waiting for them until the timeout.
+                    self.sender.cancel(f"the engine failed: {e}")
 
             driver = threading.Thread(target=drive, name="reshard-drive-engine", daemon=True)
             driver.start()
         try:
             self.sender.push(refit)
-        finally:
+        except BaseException as push_error:
             if driver is not None:
                 driver.join()
+            if errors:
+                # The engine's own account (every worker's error) says more.
+                raise errors[0] from push_error
+            raise
+        if driver is not None:
+            driver.join()
         if errors:
             raise errors[0]
 
@@ -221,16 +375,47 @@ class ReshardTrainerEngine(TrainerWeightTransferEngine[ReshardTrainerInitInfo]):
         self.sender.close()
 
 
-def _close_failed_update(client) -> None:
-    """Close the update session on the workers that did not raise.
+def _call(fn, *args: Any) -> None:
+    """Call a weight-sync client method; an HTTP error carries the server's
+    answer (vLLM's HTTP client raises ``requests.HTTPError`` naming only the
+    status)."""
+    try:
+        fn(*args)
+    except Exception as e:
+        response = getattr(e, "response", None)
+        text = getattr(response, "text", None)
+        if not text:
+            raise
+        raise ReshardError(f"{fn.__name__}: {e}: {text[:4000]}") from e
 
-    A failed pull raises only on the last worker (see
-    :meth:`ReshardEngine.receive_weights`), and vLLM marks the session closed
-    only where ``update_weights`` raised; the other workers would refuse the
-    next ``start_weight_update``. ``finish_weight_update`` closes theirs (the
-    reshard engine's finish is a no-op, the model was restored by the pull)
-    and raises on the last worker, which has nothing open: that error is
-    expected. Drivers other than :class:`ReshardTrainerEngine` do the same.
-    """
-    with contextlib.suppress(Exception):
-        client.finish_weight_update()
+
+def reset_prefix_cache(client: Any) -> None:
+    """Drop the engine's cached prefixes (computed with the old weights):
+    ``POST /reset_prefix_cache`` for vLLM's HTTP client (a dev-mode route, as
+    the weight-transfer routes are), ``reset_prefix_cache()`` for an offline
+    ``LLM`` or every Ray actor."""
+    if isinstance(client, _OfflineClient):
+        client.llm.reset_prefix_cache()
+        return
+    base_url = getattr(client, "base_url", None)
+    if base_url is not None:
+        import requests
+
+        requests.post(f"{base_url}/reset_prefix_cache", timeout=getattr(client, "timeout", 300)).raise_for_status()
+        return
+    handles = getattr(client, "handles", None)
+    if handles is not None:
+        import ray
+
+        ray.get([h.reset_prefix_cache.remote() for h in handles])
+
+
+def _register() -> None:
+    from reshard.adapters.vllm.plugin import register
+
+    register()
+
+
+# A trainer process that never starts an engine never loads vLLM's plugins:
+# importing this module (for ReshardTrainerInitInfo) registers the backend.
+_register()
