@@ -30,6 +30,21 @@ CONFIGS = {
         num_hidden_layers=2,
         vocab_size=101,
     ),
+    # shared_expert_gate is [1, H] and the router [3, H]: fewer rows than
+    # FSDP ranks, so some ranks hold empty shards of them.
+    "qwen2_moe": dict(
+        hidden_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=96,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=48,
+        num_experts=3,
+        num_experts_per_tok=2,
+        num_hidden_layers=2,
+        vocab_size=130,
+        tie_word_embeddings=False,
+    ),
     "qwen2": dict(
         hidden_size=64,
         num_attention_heads=4,
@@ -68,17 +83,17 @@ def _reference(model_type: str) -> dict[str, torch.Tensor]:
     return out
 
 
-def _run(rank: int, address: str, pg_port: int, model_type: str, engine_tp: int) -> dict:
-    cfg = GroupConfig(address=address, num_sources=2, num_destinations=engine_tp, timeout_s=60, host_store=False)
-    if rank < 2:
+def _run(rank: int, address: str, pg_port: int, model_type: str, engine_tp: int, world: int = 2) -> dict:
+    cfg = GroupConfig(address=address, num_sources=world, num_destinations=engine_tp, timeout_s=60, host_store=False)
+    if rank < world:
         import torch.distributed as dist
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(pg_port))
-        dist.init_process_group("gloo", rank=rank, world_size=2)
+        dist.init_process_group("gloo", rank=rank, world_size=world)
         model, _ = _model(model_type)
-        mesh = init_device_mesh("cpu", (2,))
+        mesh = init_device_mesh("cpu", (world,))
         for layer in model.model.layers:
             fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
@@ -91,7 +106,7 @@ def _run(rank: int, address: str, pg_port: int, model_type: str, engine_tp: int)
 
     _, hf_cfg = _model(model_type)
     tensors = tuple(canonical_tensors(hf_cfg.to_dict(), dtype="float32"))
-    side = engine_layouts(tensors, hf_cfg.to_dict(), EngineSpec(tp=engine_tp), base=2)
+    side = engine_layouts(tensors, hf_cfg.to_dict(), EngineSpec(tp=engine_tp), base=world)
     layout = side.layout_of(rank)
     items = expand(layout)
     local = make_locals(items, False)
@@ -122,3 +137,22 @@ def test_fsdp2_model_to_vllm_style_tp_layout(model_type, tp):
     # below tp are kept twice, and received twice).
     for e in engines:
         assert e["received"] == e["kept"]
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_fsdp2_worlds_with_tensors_smaller_than_the_world(world):
+    """FSDP2 cuts dim 0 with torch.chunk semantics: with more ranks than rows
+    (shared_expert_gate [1, H], the router [3, H]) trailing ranks hold empty
+    shards, and the last non-empty one may be short. Every rank still
+    publishes the grid rule, and the engine gets every byte."""
+    tp = 2
+    server = procs.StoreServer()
+    out = procs.check(
+        procs.run(_run, world + tp, server.address, procs.free_port(), "qwen2_moe", tp, world, timeout=300)
+    )
+    trainers, engines = out[:world], out[world:]
+    assert all(t["grids"] > 0 for t in trainers)
+    assert sum(t["sent"] for t in trainers) == sum(e["received"] for e in engines)
+    for e in engines:
+        assert e["received"] == e["kept"]
+        assert any("shared_expert_gate" in n for n in e["locals"])
