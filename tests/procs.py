@@ -6,6 +6,7 @@ test plumbing, not the refit path (which never pickles).
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import socket
@@ -106,3 +107,76 @@ def check(outcomes: list[Outcome]) -> list[Any]:
     if bad:
         raise AssertionError("\n".join(f"rank {o.rank} (exit {o.exitcode}): {o.error}" for o in bad))
     return [o.value for o in outcomes]
+
+
+def _serve(rank: int, inbox, outbox) -> None:
+    """A pool process: run ``fn(rank, *args)`` for every ``(fn, args)`` received
+    until ``None`` arrives; answer ``(ok, value or error, seconds)``."""
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    import torch
+
+    torch.set_num_threads(1)
+    while True:
+        job = inbox.get()
+        if job is None:
+            return
+        fn, args = job
+        t0 = time.monotonic()
+        try:
+            outbox.put((True, fn(rank, *args), time.monotonic() - t0))
+        except BaseException as e:
+            outbox.put((False, f"{type(e).__name__}: {e}\n{traceback.format_exc()}", time.monotonic() - t0))
+
+
+class Pool:
+    """``world`` long-lived processes (spawned once) that run functions on
+    request: a trainer's ranks across many refits, or an engine host across
+    many engines, without paying process start and imports each time.
+    ``submit`` posts ``fn(rank, *args)`` to every rank; ``wait`` collects the
+    outcomes of the last submission."""
+
+    def __init__(self, world: int, *, daemon: bool = True) -> None:
+        ctx = mp.get_context("spawn")
+        self.inboxes = [ctx.Queue() for _ in range(world)]
+        self.outboxes = [ctx.Queue() for _ in range(world)]
+        self.procs = [
+            ctx.Process(target=_serve, args=(r, self.inboxes[r], self.outboxes[r]), daemon=daemon) for r in range(world)
+        ]
+        for p in self.procs:
+            p.start()
+
+    def submit(self, fn: Callable, *args: Any) -> None:
+        for q in self.inboxes:
+            q.put((fn, args))
+
+    def wait(self, timeout: float = 300.0) -> list[Outcome]:
+        deadline = time.monotonic() + timeout
+        out = []
+        for r, q in enumerate(self.outboxes):
+            while True:
+                try:
+                    ok, value, secs = q.get(timeout=min(1.0, max(0.01, deadline - time.monotonic())))
+                    out.append(Outcome(r, ok, value if ok else None, "" if ok else value, secs))
+                    break
+                except Exception:
+                    if not self.procs[r].is_alive():
+                        out.append(Outcome(r, False, error="died", exitcode=self.procs[r].exitcode))
+                        break
+                    if time.monotonic() >= deadline:
+                        out.append(Outcome(r, False, error=f"no answer within {timeout}s"))
+                        break
+        return out
+
+    def call(self, fn: Callable, *args: Any, timeout: float = 300.0) -> list[Any]:
+        self.submit(fn, *args)
+        return check(self.wait(timeout))
+
+    def close(self) -> None:
+        for q in self.inboxes:
+            with contextlib.suppress(Exception):
+                q.put(None)
+        for p in self.procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+                p.join()

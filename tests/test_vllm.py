@@ -15,7 +15,8 @@ from .vllm_support import scenario
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
-CONFIGS = [("qwen2", 1), ("qwen2", 2), ("llama", 1), ("llama", 2), ("qwen3_moe", 2)]
+# float32 engines; tests/test_zoo.py runs every architecture in bfloat16.
+CONFIGS = [("qwen2", 2)]
 
 
 @pytest.fixture(scope="module", params=CONFIGS, ids=[f"{k}-tp{t}" for k, t in CONFIGS])

@@ -1,0 +1,115 @@
+"""Every tiny architecture of the zoo, refit into a real bf16 vLLM engine at
+TP=1 and TP=2 from 2 FSDP2 trainer ranks (see ``tests/zoo_support.py``).
+
+The zoo runs once per session (about 10 minutes on a 2-core machine); each
+test below reads its configuration's results.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from reshard.tiny import NONDETERMINISTIC
+
+from .zoo_support import ZOO, Zoo, build_zoo
+
+pytestmark = [pytest.mark.engine, pytest.mark.slow]
+
+CONFIGS = [(kind, tp) for kind in ZOO for tp in (1, 2)]
+
+
+@pytest.fixture(scope="session")
+def zoo(tmp_path_factory):
+    models = build_zoo(str(tmp_path_factory.mktemp("zoo")))
+    z = Zoo(models)
+    results: dict = {}
+    try:
+        for kind, tp in CONFIGS:
+            results[(kind, tp)] = z.run(kind, tp)
+    finally:
+        z.close()
+    return results
+
+
+@pytest.fixture(params=CONFIGS, ids=[f"{k}-tp{t}" for k, t in CONFIGS])
+def run(request, zoo):
+    r = zoo[request.param]
+    assert "error" not in r, r["error"]
+    for key in ("refit1", "refit2"):
+        assert r[key]["error"] is None, r[key]["error"]
+        assert all("error" not in t for t in r[key]["trainers"]), r[key]["trainers"]
+    return r
+
+
+def test_refit_gives_a_fresh_engines_tokens(run):
+    assert run["after1"] != run["fresh_v2"], "v1 and v2 must generate differently"
+    if (run["kind"], run["tp"]) in NONDETERMINISTIC:
+        # Two fresh engines of this architecture disagree with each other on
+        # this CPU (MLA at TP=2): the parameters are compared with vLLM's own
+        # reload instead (test_every_parameter_equals_vllms_own_reload).
+        pytest.skip("a fresh engine is not deterministic here; parameters are checked instead")
+    assert run["after2"] == run["fresh_v2"]
+
+
+def test_every_parameter_equals_vllms_own_reload(run):
+    ours, ref = run["refit2"]["digests"], run["reference"]
+    assert len(ours) == len(ref) == run["tp"]
+    for worker_ours, worker_ref in zip(ours, ref, strict=True):
+        # A tied lm_head is processed again by reshard (vLLM's reload leaves
+        # its CPU-packed copy stale); it is the embedding's own tensor.
+        extra = worker_ours.keys() - worker_ref.keys()
+        assert extra <= {"lm_head.weight"}, extra
+        assert worker_ref.keys() <= worker_ours.keys(), worker_ref.keys() - worker_ours.keys()
+        differ = sorted(k for k in worker_ref if worker_ours[k] != worker_ref[k])
+        assert not differ, differ
+
+
+@pytest.mark.parametrize("refit", ["refit1", "refit2"])
+def test_each_worker_receives_what_it_keeps_and_trainers_send_it(run, refit):
+    r = run[refit]
+    for stats, init in zip(r["stats"], r["init"], strict=True):
+        assert stats["bytes_received"] == stats["kept_bytes"] == init["kept_bytes"]
+        assert not stats["casts"]
+    assert sum(t["sent"] for t in r["trainers"]) == sum(s["bytes_received"] for s in r["stats"])
+
+
+def test_plan_rules_agree_with_the_layout_learned_from_vllm(run):
+    """``reshard plan``'s vLLM sharding rules (used only to cost clusters that
+    do not exist yet) describe exactly the pieces each worker learned from
+    vLLM's own loaders, for the architectures the rules cover."""
+    if run["kind"] not in RULES_COVER:
+        pytest.skip(f"reshard plan's rules do not cover {run['kind']} (engines learn their layouts at run time)")
+    from reshard.models import canonical_tensors
+    from reshard.plan.rules import EngineSpec, engine_layouts
+    from reshard.tiny import tiny_config
+
+    from .oracle import layout_set_slots
+
+    def norm(tensor, offs, sizes, local, local_shape, offset, dims):
+        return (
+            tensor,
+            tuple(offs),
+            tuple(sizes),
+            local,
+            tuple(local_shape),
+            tuple(offset) or (0,) * len(local_shape),
+            tuple(dims) or tuple(range(len(offs))),
+        )
+
+    cfg = tiny_config(run["kind"], torch_dtype="bfloat16")
+    rules = engine_layouts(tuple(canonical_tensors(cfg)), cfg, EngineSpec.parse(f"tp={run['tp']}"))
+    by_rank = layout_set_slots(rules.layout_set("dst"))
+    assert sorted(by_rank) == list(range(run["tp"]))
+    for rank, learned in enumerate(run["learned"]):
+        ours = {norm(t, s.box.offsets, s.box.sizes, s.local, s.local_shape, s.offset, s.dims) for t, s in by_rank[rank]}
+        theirs = {norm(*p) for p in learned}
+        assert ours == theirs, (
+            f"worker {rank}: only in the rules {sorted(ours - theirs)[:5]}, only learned {sorted(theirs - ours)[:5]}"
+        )
+
+
+RULES_COVER = set(ZOO) - {"deepseek_v2", "gpt2", "phi3", "starcoder2"}
+"""The rules know the module names of Llama-, Qwen-, Mixtral-, Gemma-, OLMo-
+and DeepSeek-V3-style checkpoints. Not: checkpoints that fuse tensors
+themselves (Phi-3's qkv_proj, GPT-2's transposed Conv1D c_attn), other MLP
+names (Starcoder2's c_fc / c_proj) and MLA without q-LoRA."""

@@ -1,0 +1,229 @@
+"""The zoo: every tiny architecture refit into a real bf16 vLLM engine at
+TP=1 and TP=2 from FSDP2 trainer ranks, driven from the test process.
+
+Two long-lived process pools do the work (imports and process starts are
+paid once): the trainer (2 FSDP2 ranks) and an engine host (offline
+engines, one at a time, TP=1 in-process, TP=2 with two worker processes).
+
+One configuration (architecture, TP):
+
+1. the engine starts on checkpoint v2: its tokens are a fresh engine's on v2;
+2. refit 1 moves it to v1 (its tokens must now differ);
+3. refit 2 moves it back to v2, every parameter captured as it lands
+   (before vLLM repacks it); its tokens must equal the fresh engine's;
+4. vLLM's own reload of v2, captured the same way: every parameter must
+   equal what refit 2 wrote (a parameter refit 2 never wrote would still
+   hold v1's bytes from refit 1, or miss from the capture);
+5. the worker's learned layout, for the plan-rule check.
+
+Each refit checks bytes: every worker receives exactly what it keeps, the
+trainers send exactly what the workers receive.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+from reshard.tiny import TINY, build_tiny_model
+
+ZOO = sorted(TINY)
+
+_state: dict[str, Any] = {}
+"""Per pool process: the engine being tested, the trainer's default group."""
+
+
+def build_zoo(root: str) -> dict[str, tuple[str, str]]:
+    """v1 and v2 (another seed) of every architecture, in bfloat16."""
+    out = {}
+    for kind in ZOO:
+        v1 = build_tiny_model(os.path.join(root, kind, "v1"), kind, seed=0, torch_dtype="bfloat16")
+        v2 = build_tiny_model(os.path.join(root, kind, "v2"), kind, seed=7, torch_dtype="bfloat16")
+        out[kind] = (str(v1), str(v2))
+    return out
+
+
+# -- trainer ranks -----------------------------------------------------------------
+
+
+def _decoder_layers(model):
+    """The model's list of decoder layers (``model.layers``, ``transformer.h``)."""
+    import torch
+
+    best = None
+    for mod in model.modules():
+        if isinstance(mod, torch.nn.ModuleList) and len(mod) == model.config.num_hidden_layers:
+            best = mod
+            break
+    if best is None:
+        raise ValueError(f"no decoder layer list in {type(model).__name__}")
+    return best
+
+
+def trainer_push(
+    rank: int, world: int, pg_port: int, path: str, address: str, num_destinations: int, generation: int, refit: int
+) -> dict[str, Any]:
+    """One FSDP2 trainer rank: ``path`` in bf16, each decoder layer and the
+    root ``fully_shard``-ed over ``world`` ranks, pushed as refit ``refit``."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from transformers import AutoModelForCausalLM
+
+    from reshard import GroupConfig, Sender
+
+    if not dist.is_initialized():
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(pg_port))
+        dist.init_process_group("gloo", rank=rank, world_size=world)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
+    mesh = init_device_mesh("cpu", (world,))
+    for layer in _decoder_layers(model):
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    cfg = GroupConfig(
+        address=address,
+        num_sources=world,
+        num_destinations=num_destinations,
+        timeout_s=120,
+        host_store=False,
+        generation=generation,
+    )
+    sender = Sender(model, config=cfg)
+    try:
+        st = sender.push(refit)
+        return {"sent": st.exec.bytes_sent, "casts": st.exec.casts}
+    finally:
+        sender.close()
+
+
+# -- the engine host -----------------------------------------------------------------
+
+
+def engine_start(rank: int, path: str, tp: int) -> list[list[int]]:
+    """Start the engine under test on ``path``; its greedy tokens."""
+    from tests.vllm_support import greedy, make_llm
+
+    engine_stop(rank)
+    llm = make_llm(path, tp, dtype="bfloat16")
+    _state["llm"] = llm
+    return greedy(llm)
+
+
+def engine_greedy(rank: int) -> list[list[int]]:
+    from tests.vllm_support import greedy
+
+    return greedy(_state["llm"])
+
+
+def engine_pull(rank: int, config: dict[str, Any], refit: int, capture: bool) -> dict[str, Any]:
+    """Join the refit group ``config`` and pull refit ``refit`` on every worker."""
+    from reshard.adapters.vllm.driver import init_workers, pull_workers
+
+    llm = _state["llm"]
+    t0 = time.monotonic()
+    init = init_workers(llm, config)
+    if capture:
+        llm.collective_rpc("capture_begin")
+    try:
+        stats = pull_workers(llm, refit)
+        error = None
+    except Exception as e:
+        stats, error = None, str(e)
+    digests = llm.collective_rpc("capture_end") if capture else None
+    llm.reset_prefix_cache()
+    return {"init": init, "stats": stats, "error": error, "digests": digests, "seconds": time.monotonic() - t0}
+
+
+def engine_reload(rank: int, path: str) -> list[dict[str, str]]:
+    """vLLM's own reload from ``path``, every parameter captured as it lands."""
+    llm = _state["llm"]
+    llm.collective_rpc("capture_begin")
+    llm.collective_rpc("reload_from", args=(path,))
+    return llm.collective_rpc("capture_end")
+
+
+def engine_learned(rank: int) -> list[list[tuple]]:
+    return _state["llm"].collective_rpc("learned_pieces")
+
+
+def engine_stop(rank: int) -> None:
+    from tests.vllm_support import shutdown
+
+    llm = _state.pop("llm", None)
+    if llm is not None:
+        shutdown(llm)
+        del llm
+        import gc
+
+        gc.collect()
+
+
+# -- the driver (test process) ----------------------------------------------------------
+
+
+class Zoo:
+    """Runs configurations on the two pools; results by ``(kind, tp)``."""
+
+    def __init__(self, models: dict[str, tuple[str, str]], *, trainers: int = 2) -> None:
+        from tests import procs
+
+        self.models = models
+        self.world = trainers
+        self.store = procs.StoreServer()
+        self.pg_port = procs.free_port()
+        self.trainers = procs.Pool(trainers)
+        self.host = procs.Pool(1, daemon=False)
+        self.generation = 0
+
+    def close(self) -> None:
+        try:
+            self.host.call(engine_stop, timeout=120)
+        finally:
+            self.host.close()
+            self.trainers.close()
+
+    def _refit(self, path: str, tp: int, refit: int, capture: bool) -> dict[str, Any]:
+        from tests import procs
+
+        self.generation += 1
+        config = {
+            "address": self.store.address,
+            "num_sources": self.world,
+            "num_destinations": tp,
+            "timeout_s": 120,
+            "generation": self.generation,
+        }
+        self.host.submit(engine_pull, config, refit, capture)
+        self.trainers.submit(
+            trainer_push, self.world, self.pg_port, path, self.store.address, tp, self.generation, refit
+        )
+        trainers = self.trainers.wait(timeout=600)
+        (engine,) = procs.check(self.host.wait(timeout=600))
+        engine["trainers"] = [o.value if o.ok else {"error": o.error} for o in trainers]
+        return engine
+
+    def run(self, kind: str, tp: int) -> dict[str, Any]:
+        """One configuration (see the module docstring); never raises, the
+        error lands in the result."""
+        v1, v2 = self.models[kind]
+        out: dict[str, Any] = {"kind": kind, "tp": tp}
+        t0 = time.monotonic()
+        try:
+            out["fresh_v2"] = self.host.call(engine_start, v2, tp, timeout=600)[0]
+            out["refit1"] = self._refit(v1, tp, 1, capture=False)
+            out["after1"] = self.host.call(engine_greedy)[0]
+            out["refit2"] = self._refit(v2, tp, 2, capture=True)
+            out["after2"] = self.host.call(engine_greedy)[0]
+            out["learned"] = self.host.call(engine_learned)[0]
+            out["reference"] = self.host.call(engine_reload, v2)[0]
+        except Exception as e:
+            out["error"] = f"{type(e).__name__}: {e}"
+        finally:
+            try:
+                self.host.call(engine_stop, timeout=120)
+            except Exception as e:
+                out.setdefault("error", f"stopping the engine: {e}")
+        out["seconds"] = time.monotonic() - t0
+        return out
