@@ -38,10 +38,10 @@ def _time(torch, fn, reps=5):
 
 
 def pack_unpack(torch) -> list[tuple]:
+    from reshard.costmodel.rules import EngineSpec, TrainerSpec, engine_layouts, trainer_layouts
     from reshard.models import load_model
     from reshard.plan.planner import Planner
-    from reshard.plan.rules import EngineSpec, TrainerSpec, engine_layouts, trainer_layouts
-    from reshard.transport.execute import Executor
+    from reshard.transport.execute import local_view
 
     spec = load_model("llama3-8b")
     t = trainer_layouts(spec.tensors, spec.config, TrainerSpec(fsdp=8))
@@ -68,7 +68,7 @@ def pack_unpack(torch) -> list[tuple]:
         def run(transfers=transfers, offs=offs, rank=rank, local=local, staging=staging) -> None:
             for tr, off in zip(transfers, offs, strict=True):
                 slot = tr.src if rank < 8 else tr.dst
-                view = Executor._view(local[slot.local], slot, tr.box)
+                view = local_view(local[slot.local], slot, tr.box)
                 buf = staging.narrow(0, off, tr.nbytes).view(torch.bfloat16).view(tr.box.sizes)
                 if rank < 8:
                     buf.copy_(view)

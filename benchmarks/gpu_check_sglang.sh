@@ -27,7 +27,7 @@ import json, os, signal, subprocess, sys, tempfile, time, urllib.request
 import torch.multiprocessing as mp
 from reshard import GroupConfig
 from reshard.adapters.sglang import HOOK, SglangEngine
-from reshard.tiny import build_tiny_model
+from reshard.testing.tiny import build_tiny_model
 from tests.procs import StoreServer, free_port
 
 def http(url, body=None):

@@ -19,11 +19,12 @@ import time
 
 import msgspec
 
+from reshard.costmodel.cluster import PRESETS, place
+from reshard.costmodel.rules import EngineSpec, TrainerSpec, engine_layouts, trainer_layouts
 from reshard.models import load_model
-from reshard.plan.cluster import PRESETS, place
+from reshard.plan.index import gc_paused
 from reshard.plan.layout import Layout
-from reshard.plan.planner import Planner, gc_paused
-from reshard.plan.rules import EngineSpec, TrainerSpec, engine_layouts, trainer_layouts
+from reshard.plan.planner import Planner
 
 CASES = [
     ("llama3-70b", "fsdp=64", "tp=8,dp=8", "dgx-h100"),

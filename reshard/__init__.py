@@ -6,7 +6,6 @@ The curated surface is re-exported here; engine adapters live in
 """
 
 from reshard.errors import PlanError, Problem, RefitError, ReshardError
-from reshard.layouts import GridSpec, PieceSpec
 from reshard.plan import (
     Box,
     Grid,
@@ -20,6 +19,7 @@ from reshard.plan import (
     TensorMeta,
     Transfer,
 )
+from reshard.plan.specs import GridSpec, PieceSpec
 from reshard.receiver import Receiver
 from reshard.sender import Sender
 from reshard.transport.group import GroupConfig

@@ -51,7 +51,7 @@ DEEPSEEK: dict[str, Any] = dict(
 def hf_config(kind: str) -> dict[str, Any]:
     if kind == "deepseek_v3":
         return dict(DEEPSEEK)
-    from reshard.tiny import tiny_config
+    from reshard.testing.tiny import tiny_config
 
     return tiny_config(kind)
 

@@ -12,8 +12,10 @@ from collections import defaultdict
 import numpy as np
 
 from reshard.plan.box import Box
+from reshard.plan.index import LayoutSet
+from reshard.plan.items import RankPlan
 from reshard.plan.layout import Slot, TensorMeta
-from reshard.plan.planner import LayoutSet, Planner, RankPlan
+from reshard.plan.planner import Planner
 
 
 def global_tensors(metas: dict[str, TensorMeta]) -> dict[str, np.ndarray]:

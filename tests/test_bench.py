@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from reshard.bench import CASES, format_result, run_bench
+from reshard.tools.bench import CASES, format_result, run_bench
 
 
 def test_bench_smoke_both_methods_correct():

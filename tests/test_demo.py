@@ -16,7 +16,18 @@ def test_demo_hot_swaps_and_matches_a_fresh_engine(tmp_path):
     out = tmp_path / "demo.json"
     env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     proc = subprocess.run(
-        [sys.executable, "-m", "reshard.cli", "demo", "--steps", "1", "--workdir", str(tmp_path), "--json", str(out)],
+        [
+            sys.executable,
+            "-m",
+            "reshard.tools.cli",
+            "demo",
+            "--steps",
+            "1",
+            "--workdir",
+            str(tmp_path),
+            "--json",
+            str(out),
+        ],
         env=env,
         check=False,
         capture_output=True,

@@ -15,8 +15,9 @@ from hypothesis import strategies as st
 
 from reshard.errors import MetadataError, PlanError, Problem
 from reshard.plan.box import Box
+from reshard.plan.index import LayoutSet
 from reshard.plan.layout import Grid, Layout, LocalTensor, Mesh, Piece, TensorMeta
-from reshard.plan.planner import LayoutSet, Planner
+from reshard.plan.planner import Planner
 from reshard.transport import wire
 from reshard.transport.auth import job_keys
 

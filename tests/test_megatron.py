@@ -121,7 +121,7 @@ def _receiver_boxes(kind: str, shape: tuple[int, ...], index: int) -> list[Box]:
 def _receiver(rank: int, address: str, paths: dict[str, str]) -> dict:
     from safetensors.torch import load_file
 
-    from reshard.layouts import PieceSpec
+    from reshard.plan.specs import PieceSpec
     from reshard.receiver import Receiver
 
     index = rank - TRAINERS
@@ -229,7 +229,7 @@ def _merged(pairs) -> dict[str, list[Box]]:
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(SCENARIOS))
 def test_plan_rules_give_the_adapters_layouts(world, name):
-    from reshard.plan.rules import TrainerSpec, trainer_layouts
+    from reshard.costmodel.rules import TrainerSpec, trainer_layouts
 
     from .test_transport import expand
 
@@ -373,7 +373,7 @@ def _qkv_chunk(heads: int, groups: int, hd: int, hidden: int, tp: int, rank: int
 def test_plan_rules_for_qkv_match_the_adapter(heads, groups, tp):
     """Fewer KV heads than TP ranks: a rank holds a contiguous 1/tp of the
     fused rows. The rules give the same boxes, or refuse when no grid can."""
-    from reshard.plan.rules import TrainerSpec, trainer_layouts
+    from reshard.costmodel.rules import TrainerSpec, trainer_layouts
 
     from .test_transport import expand
 
@@ -410,7 +410,7 @@ def test_plan_rules_for_qkv_match_the_adapter(heads, groups, tp):
 
 @pytest.fixture(scope="module", params=["qwen2", "llama"])
 def engine_run(request, tmp_path_factory):
-    from reshard.tiny import build_tiny_model
+    from reshard.testing.tiny import build_tiny_model
 
     from .megatron_support import engine_scenario
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from reshard.models import canonical_tensors, load_model
-from reshard.names import CheckpointNames
+from reshard.models.names import CheckpointNames
 
 
 def test_qwen3_moe_fused_experts_split_into_checkpoint_tensors():

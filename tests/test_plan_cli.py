@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from reshard.plan.report import plan_report
+from reshard.costmodel.report import plan_report
 
 KEYS = {"network_bytes", "nvlink_bytes", "max_rank_recv_bytes", "max_rank_send_bytes", "estimated_seconds"}
 
@@ -23,7 +23,7 @@ def test_json_contract_from_the_command_line():
         [
             sys.executable,
             "-m",
-            "reshard.cli",
+            "reshard.tools.cli",
             "plan",
             "--model",
             "llama3-8b",

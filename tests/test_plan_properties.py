@@ -10,7 +10,8 @@ from hypothesis import strategies as st
 
 from reshard.errors import PlanError
 from reshard.plan.box import Box, merge_boxes
-from reshard.plan.planner import LayoutSet, Planner
+from reshard.plan.index import LayoutSet
+from reshard.plan.planner import Planner
 
 from .oracle import check_destinations, execute, slots_by_rank
 from .strategies import problems

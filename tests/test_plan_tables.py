@@ -6,8 +6,9 @@ import pytest
 
 from reshard.errors import PlanError
 from reshard.plan.box import Box, chunk_range, chunks_overlapping
+from reshard.plan.index import LayoutSet
 from reshard.plan.layout import Grid, Layout, LocalTensor, Mesh, Piece, TensorMeta
-from reshard.plan.planner import LayoutSet, Planner
+from reshard.plan.planner import Planner
 
 
 def _grid_layouts(meta: TensorMeta, ranks: list[int], shard_dim: int | None) -> list[Layout]:

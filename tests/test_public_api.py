@@ -17,7 +17,7 @@ def test_every_exported_name_exists():
 
 def test_core_imports_no_engine_and_no_torch_distributed():
     code = (
-        "import sys, reshard, reshard.plan.planner, reshard.plan.rules, reshard.plan.cost;"
+        "import sys, reshard, reshard.plan.planner, reshard.costmodel.rules, reshard.costmodel.cost;"
         "bad = [m for m in ('vllm', 'sglang', 'megatron', 'torch') if m in sys.modules];"
         "print(','.join(bad))"
     )

@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from reshard.errors import MetadataError, RefitError
-from reshard.layouts import PieceSpec
 from reshard.plan.box import Box
 from reshard.plan.layout import TensorMeta
+from reshard.plan.specs import PieceSpec
 from reshard.receiver import Receiver
 from reshard.sender import Sender
 from reshard.transport import wire

@@ -8,8 +8,8 @@ import os
 import pytest
 import torch
 
-from reshard.names import CheckpointNames
-from reshard.plan.rules import EngineSpec, engine_layouts
+from reshard.costmodel.rules import EngineSpec, engine_layouts
+from reshard.models.names import CheckpointNames
 from reshard.receiver import Receiver
 from reshard.sender import Sender
 from reshard.transport.group import GroupConfig

@@ -241,7 +241,7 @@ class FakeSglang:
 def test_driver_sequence_and_pause_decisions(outcome):
     from reshard import GroupConfig
     from reshard.adapters.sglang import MixedWeightsError, SglangEngine, SglangEngines
-    from reshard.engines import Engines
+    from reshard.sender.engines import Engines
 
     assert isinstance(SglangEngines("http://x"), Engines)
 
@@ -336,7 +336,7 @@ def _scenario(server, trainers, kind: str, tp: int, v1, v2) -> dict[str, Any]:
 def runs(sglang_python, tmp_path_factory) -> dict[tuple[str, int], dict[str, Any]]:
     """Every configuration's scenario; at most two servers alive at a time
     (the next one starts while the current one is being refitted)."""
-    from reshard.tiny import build_tiny_model
+    from reshard.testing.tiny import build_tiny_model
 
     from .sglang_support import Server, Trainers
 

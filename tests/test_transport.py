@@ -9,8 +9,8 @@ import pytest
 import torch
 from hypothesis import HealthCheck, Phase, given, settings
 
+from reshard.plan.index import LayoutSet
 from reshard.plan.layout import Layout, Slot, TensorMeta
-from reshard.plan.planner import LayoutSet
 from reshard.receiver import Receiver
 from reshard.sender import Sender
 from reshard.transport.group import GroupConfig
@@ -149,8 +149,8 @@ def test_random_layouts_move_bit_exactly_over_gloo():
 
 def _two_by_two(rank: int, port: int, dtype: str) -> bool:
     meta = TensorMeta("w", (64, 48), dtype)
-    from reshard.layouts import PieceSpec
     from reshard.plan.box import Box
+    from reshard.plan.specs import PieceSpec
 
     cfg = GroupConfig(address=f"127.0.0.1:{port}", num_sources=2, num_destinations=2, timeout_s=60)
     full = global_tensor(meta)
@@ -177,8 +177,8 @@ def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def _both_methods(rank: int, address: str) -> list[bool]:
     """The same layouts moved by reshard and by gather-and-broadcast, twice each."""
-    from reshard.layouts import PieceSpec
     from reshard.plan.box import Box
+    from reshard.plan.specs import PieceSpec
 
     metas = [TensorMeta(f"layers.{i}.w", (96, 40), "bfloat16") for i in range(3)] + [
         TensorMeta("norm.weight", (40,), "float32")
@@ -241,8 +241,8 @@ def test_gather_broadcast_baseline_behind_the_same_interface():
 def _staging(rank: int, address: str) -> dict:
     """4 MiB tensor, rows split on the trainer, columns on the engine (non-contiguous
     on both sides), with a 256 KiB staging budget."""
-    from reshard.layouts import PieceSpec
     from reshard.plan.box import Box
+    from reshard.plan.specs import PieceSpec
 
     meta = TensorMeta("w", (1024, 1024), "float32")
     cfg = GroupConfig(address=address, num_sources=2, num_destinations=2, timeout_s=60, host_store=False)
@@ -285,8 +285,8 @@ def _casts(rank: int, port: int, src_dtype: str, dst_dtype: str, rows: int) -> d
     """The trainer holds ``src_dtype``, the engine keeps ``dst_dtype``: bytes
     move in the source dtype and are cast on arrival, like an engine's own
     ``param.copy_(loaded)``; by reshard and by the baseline."""
-    from reshard.layouts import PieceSpec
     from reshard.plan.box import Box
+    from reshard.plan.specs import PieceSpec
 
     meta = TensorMeta("w", (rows, 256), src_dtype)
     cfg = GroupConfig(address=f"127.0.0.1:{port}", num_sources=2, num_destinations=2, timeout_s=60)

@@ -18,9 +18,9 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from reshard.errors import RefitError
-from reshard.layouts import PieceSpec
 from reshard.plan.box import Box
 from reshard.plan.layout import TensorMeta
+from reshard.plan.specs import PieceSpec
 from reshard.receiver import Receiver
 from reshard.sender import Sender
 from reshard.transport.group import GroupConfig

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from reshard.errors import RefitError
-from reshard.layouts import PieceSpec
 from reshard.plan.box import Box
 from reshard.plan.layout import TensorMeta
+from reshard.plan.specs import PieceSpec
 from reshard.receiver import Receiver
 from reshard.sender import Sender
 from reshard.transport.group import GroupConfig
@@ -305,8 +305,9 @@ def test_the_store_host_dying_before_connect_or_mid_refit_fails_every_rank_and_t
 def _leader_of(round_bytes: int) -> int:
     """The engine worker that pulls from the trainer and forwards to the others
     (same inputs as the ranks plan with, so the same answer)."""
-    from reshard.layouts import build_layout
-    from reshard.plan.planner import LayoutSet, Planner
+    from reshard.plan.index import LayoutSet
+    from reshard.plan.planner import Planner
+    from reshard.plan.specs import build_layout
 
     full = Box((0, 0), (512, 1024))
     layouts = [build_layout(r, [PieceSpec(BIG, full, "b", (512, 1024))]) for r in range(4)]

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from reshard.tiny import build_tiny_model
+from reshard.testing.tiny import build_tiny_model
 
 from . import procs
 from .vllm_support import scenario
@@ -88,8 +88,8 @@ def test_refit_back_from_a_single_rank_trainer(run):
 def test_plan_rules_agree_with_the_layout_learned_from_vllm(run):
     """``reshard plan``'s vLLM sharding rules, on this tiny model, describe
     exactly the pieces each worker learned from vLLM's own loaders."""
+    from reshard.costmodel.rules import EngineSpec, engine_layouts
     from reshard.models import load_model
-    from reshard.plan.rules import EngineSpec, engine_layouts
 
     from .oracle import layout_set_slots
 

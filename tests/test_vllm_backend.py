@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from reshard.tiny import build_tiny_model
+from reshard.testing.tiny import build_tiny_model
 
 from . import procs
 from .vllm_support import backend_scenario

@@ -15,7 +15,7 @@ import urllib.request
 import pytest
 
 from reshard import GroupConfig
-from reshard.tiny import build_tiny_model
+from reshard.testing.tiny import build_tiny_model
 
 from . import procs
 from .vllm_support import MAX_TOKENS, PROMPTS, fresh_greedy, fsdp_trainer, plain_trainer

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from reshard.tiny import NONDETERMINISTIC
+from reshard.testing.tiny import NONDETERMINISTIC
 
 from .zoo_support import ZOO, Zoo, build_zoo
 
@@ -79,9 +79,9 @@ def test_plan_rules_agree_with_the_layout_learned_from_vllm(run):
     vLLM's own loaders, for the architectures the rules cover."""
     if run["kind"] not in RULES_COVER:
         pytest.skip(f"reshard plan's rules do not cover {run['kind']} (engines learn their layouts at run time)")
+    from reshard.costmodel.rules import EngineSpec, engine_layouts
     from reshard.models import canonical_tensors
-    from reshard.plan.rules import EngineSpec, engine_layouts
-    from reshard.tiny import tiny_config
+    from reshard.testing.tiny import tiny_config
 
     from .oracle import layout_set_slots
 

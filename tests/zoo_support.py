@@ -26,7 +26,7 @@ import os
 import time
 from typing import Any
 
-from reshard.tiny import TINY, build_tiny_model
+from reshard.testing.tiny import TINY, build_tiny_model
 
 ZOO = sorted(TINY)
 

@@ -42,9 +42,9 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from reshard.layouts import PieceSpec
 from reshard.plan.box import Box, full_box
 from reshard.plan.layout import TensorMeta
+from reshard.plan.specs import PieceSpec
 
 if TYPE_CHECKING:
     import torch
@@ -456,9 +456,9 @@ def megatron_sender(
     Every data-parallel replica publishes its slices; the planner picks
     which replica sends each byte.
     """
-    from reshard.sender import Sender, _default_rank
+    from reshard.sender import Sender, default_rank
 
     pieces, tensors = megatron_pieces(model, hf_config=hf_config, ranks=ranks)
     if rank is None:
-        rank = _default_rank()
+        rank = default_rank()
     return Sender.from_pieces(pieces, tensors, config=config, rank=rank, **kwargs)

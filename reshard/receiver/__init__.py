@@ -19,9 +19,9 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
-from reshard.layouts import GridSpec, PieceSpec, build_layout
+from reshard.plan.items import RankPlan
 from reshard.plan.layout import Layout
-from reshard.plan.planner import RankPlan
+from reshard.plan.specs import GridSpec, PieceSpec, build_layout
 from reshard.transport.group import GroupConfig
 from reshard.transport.session import DEFAULT_BUDGET_BYTES, RefitSession, RefitStats
 

@@ -19,9 +19,9 @@ import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
-from reshard.engines import Engines
-from reshard.layouts import GridSpec, PieceSpec, build_layout
 from reshard.plan.layout import Layout
+from reshard.plan.specs import GridSpec, PieceSpec, build_layout
+from reshard.sender.engines import Engines
 from reshard.sender.pieces import default_rename, describe_module
 from reshard.transport.group import GroupConfig
 from reshard.transport.session import DEFAULT_BUDGET_BYTES, RefitSession, RefitStats
@@ -29,7 +29,7 @@ from reshard.transport.session import DEFAULT_BUDGET_BYTES, RefitSession, RefitS
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["Sender", "default_rename"]
+__all__ = ["Sender", "default_rank", "default_rename"]
 
 
 class Sender:
@@ -59,7 +59,7 @@ class Sender:
         ``source_rank_of`` maps a DTensor mesh rank (a rank of the trainer's
         default group) to its refit rank (default: the same number)."""
         if rank is None:
-            rank = _default_rank()
+            rank = default_rank()
         if rank >= config.num_sources:
             raise ValueError(f"trainer rank {rank} but the refit group has {config.num_sources} source ranks")
         if model_type is None:
@@ -207,7 +207,8 @@ class Sender:
         self.session.close()
 
 
-def _default_rank() -> int:
+def default_rank() -> int:
+    """This process's rank in the default process group (0 without one)."""
     try:
         import torch.distributed as dist
 

@@ -16,10 +16,10 @@ import re
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
 
-from reshard.layouts import GridSpec, PieceSpec
-from reshard.names import CheckpointNames
+from reshard.models.names import CheckpointNames
 from reshard.plan.box import Box, full_box
 from reshard.plan.layout import Grid, Mesh, TensorMeta, grid_box
+from reshard.plan.specs import GridSpec, PieceSpec
 
 if TYPE_CHECKING:
     import torch

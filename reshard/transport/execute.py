@@ -41,14 +41,24 @@ from typing import TYPE_CHECKING
 import msgspec
 
 from reshard.errors import RefitError
-from reshard.plan.planner import RankPlan, Round, Transfer
+from reshard.plan.items import RankPlan, Round, Transfer
 
 if TYPE_CHECKING:
     import torch
 
     from reshard.transport.group import RefitGroup
 
-__all__ = ["BIG_BYTES", "ExecStats", "Executor", "checksum", "link_summary", "messages", "staging_need"]
+__all__ = [
+    "BIG_BYTES",
+    "ExecStats",
+    "Executor",
+    "align",
+    "checksum",
+    "link_summary",
+    "local_view",
+    "messages",
+    "staging_need",
+]
 
 BIG_BYTES = 1 << 20
 """Transfers at least this large travel as their own message."""
@@ -63,7 +73,8 @@ place of ``buf``, after their checksum was taken (tests corrupt a message in
 flight with it). ``None`` in normal use."""
 
 
-def _align(n: int) -> int:
+def align(n: int) -> int:
+    """``n`` rounded up to the staging alignment (every packed slice starts aligned)."""
     return -(-n // _ALIGN) * _ALIGN
 
 
@@ -72,7 +83,7 @@ def packed_size(msg: list[Transfer]) -> int:
     slice in a packed buffer can be viewed as its dtype."""
     if len(msg) == 1:
         return msg[0].nbytes
-    return sum(_align(t.nbytes) for t in msg)
+    return sum(align(t.nbytes) for t in msg)
 
 
 def messages(transfers: list[Transfer], big_bytes: int = BIG_BYTES) -> list[list[Transfer]]:
@@ -81,6 +92,20 @@ def messages(transfers: list[Transfer], big_bytes: int = BIG_BYTES) -> list[list
     small = [t for t in transfers if t.nbytes < big_bytes]
     big = [[t] for t in transfers if t.nbytes >= big_bytes]
     return ([small] if small else []) + big
+
+
+def local_view(tensor: torch.Tensor, slot, box) -> torch.Tensor:
+    """The region of global ``box`` in the local ``tensor`` of ``slot``, in
+    global dim order (a view)."""
+    offs, sizes = slot.local_box(box)
+    v = tensor
+    for d, (o, s) in enumerate(zip(offs, sizes, strict=True)):
+        if o != 0 or s != v.shape[d]:
+            v = v.narrow(d, o, s)
+    if slot.is_plain():
+        return v
+    kept, to_global, _ = slot.axes()
+    return v.reshape([v.shape[k] for k in kept]).permute(to_global)
 
 
 def _receives_in_place(t: Transfer) -> bool:
@@ -152,7 +177,7 @@ def _round_staging(rnd: Round, rank: int, big_bytes: int) -> tuple[int, dict]:
         nonlocal total
         if key not in offsets:
             offsets[key] = total
-            total += _align(n)
+            total += align(n)
 
     for peer in sorted(rnd.sends):
         for i, msg in enumerate(messages(rnd.sends[peer], big_bytes)):
@@ -329,24 +354,11 @@ class Executor:
             self._checked.add(key)
         return tensor
 
-    @staticmethod
-    def _view(tensor: torch.Tensor, slot, box) -> torch.Tensor:
-        """The region of ``box`` in ``tensor``, in global dim order (a view)."""
-        offs, sizes = slot.local_box(box)
-        v = tensor
-        for d, (o, s) in enumerate(zip(offs, sizes, strict=True)):
-            if o != 0 or s != v.shape[d]:
-                v = v.narrow(d, o, s)
-        if slot.is_plain():
-            return v
-        kept, to_global, _ = slot.axes()
-        return v.reshape([v.shape[k] for k in kept]).permute(to_global)
-
     def _bytes_view(self, t: Transfer, side: str) -> torch.Tensor:
         """A uint8 view of a transfer's slice, which the plan says is contiguous."""
         import torch
 
-        v = self._view(self._tensor(t, side), t.src if side == "src" else t.dst, t.box)
+        v = local_view(self._tensor(t, side), t.src if side == "src" else t.dst, t.box)
         if not v.is_contiguous():
             slot = t.src if side == "src" else t.dst
             raise RefitError(
@@ -399,15 +411,15 @@ class Executor:
                 continue
             pos = 0
             for t in msg:
-                dst = self._view(self._tensor(t, "dst"), t.dst, t.box)
+                dst = local_view(self._tensor(t, "dst"), t.dst, t.box)
                 # Viewed as the wire dtype; copy_ casts when the local keeps another.
                 dst.copy_(buf.narrow(0, pos, t.nbytes).view(_torch_dtype(t.dtype)).view(t.box.sizes))
                 if t.dst.dtype and t.dst.dtype != t.dtype:
                     _count_cast(stats, t)
-                pos += _align(t.nbytes) if len(msg) > 1 else t.nbytes
+                pos += align(t.nbytes) if len(msg) > 1 else t.nbytes
         for t in p.round.copies:
-            src = self._view(self._tensor(t, "src"), t.src, t.box)
-            dst = self._view(self._tensor(t, "dst"), t.dst, t.box)
+            src = local_view(self._tensor(t, "src"), t.src, t.box)
+            dst = local_view(self._tensor(t, "dst"), t.dst, t.box)
             dst.copy_(src)
             if t.dst.dtype and t.dst.dtype != t.dtype:
                 _count_cast(stats, t)
@@ -481,9 +493,9 @@ class Executor:
             assert arena is not None
             pos = off
             for t in msg:
-                src = self._view(self._tensor(t, "src"), t.src, t.box)
+                src = local_view(self._tensor(t, "src"), t.src, t.box)
                 arena.narrow(0, pos, t.nbytes).view(src.dtype).view(t.box.sizes).copy_(src)
-                pos += _align(t.nbytes) if len(msg) > 1 else t.nbytes
+                pos += align(t.nbytes) if len(msg) > 1 else t.nbytes
             return arena.narrow(0, off, n)
 
         return pack
@@ -496,7 +508,7 @@ class Executor:
             assert arena is not None
             buf = arena.narrow(0, off, t.nbytes)
             if key not in packed:
-                src = self._view(self._tensor(t, "src"), t.src, t.box)
+                src = local_view(self._tensor(t, "src"), t.src, t.box)
                 buf.view(src.dtype).view(t.box.sizes).copy_(src)
                 packed.add(key)
             return buf

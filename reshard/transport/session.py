@@ -33,10 +33,14 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from reshard.errors import MetadataError, PlanError, Problem, RefitError, _span
-from reshard.layouts import check_locals
+from reshard.plan.checks import check_locals
+from reshard.plan.index import LayoutSet, gc_paused
+from reshard.plan.items import RankPlan
 from reshard.plan.layout import Layout, TensorMeta, table_digest
-from reshard.plan.planner import DEFAULT_ROUND_BYTES, LayoutSet, Planner, RankPlan, gc_paused
+from reshard.plan.planner import Planner
+from reshard.plan.rounds import DEFAULT_ROUND_BYTES
 from reshard.transport import wire
+from reshard.transport.baseline import gather_broadcast
 from reshard.transport.execute import BIG_BYTES, ExecStats, Executor, link_summary, staging_need
 from reshard.transport.group import ABORT_GRACE_S, EpochMoved, GroupConfig, RefitGroup
 
@@ -125,8 +129,8 @@ class RefitSession:
         self.last_refit = 0
         """The last refit that succeeded on this rank."""
         self._layouts: dict[int, Layout] = {}
-        self.extra_groups: dict[int, object] = {}
-        """Process groups that live as long as the refit group (the baseline's broadcast groups)."""
+        self.broadcast_groups: dict[int, object] = {}
+        """The baseline's broadcast groups (one per root), as long as the refit group lives."""
 
     @property
     def is_source(self) -> bool:
@@ -426,19 +430,22 @@ class RefitSession:
     def refit_baseline(
         self, refit: int, *, destinations: Mapping[str, torch.Tensor] | None = None, bucket_bytes: int | None = None
     ) -> RefitStats:
-        """Refit ``refit`` by gather-and-broadcast (see :mod:`reshard.baseline`)."""
-        from reshard.baseline import gather_broadcast
-
+        """Refit ``refit`` by gather-and-broadcast (see :mod:`reshard.transport.baseline`)."""
         t0 = time.perf_counter()
         started_at = time.time()
-        saved = self.tensors
-        if destinations is not None:
-            self.tensors = destinations
         try:
-            self._enter(refit)
+            group = self._enter(refit)
             # Buckets must cut alike on every rank: the smallest budget of any rank.
             bucket_bytes = bucket_bytes or min(self.budgets.values(), default=0) or self.budget_bytes
-            ex = gather_broadcast(self, refit, bucket_bytes=bucket_bytes)
+            ex = gather_broadcast(
+                group,
+                self._planner(),
+                refit,
+                tensors=destinations if destinations is not None else self.tensors,
+                device=self.device,
+                broadcast_groups=self.broadcast_groups,
+                bucket_bytes=bucket_bytes,
+            )
         except RefitError as e:
             if e.step == "transfer" or not e.agreed:
                 self._drop()
@@ -447,8 +454,8 @@ class RefitSession:
             self._drop()
             raise
         finally:
-            self.tensors = saved
             self._cancelled = None
+        self.last_refit = refit
         return RefitStats(
             refit=refit,
             rank=self.rank,
@@ -466,7 +473,7 @@ class RefitSession:
     def _drop(self) -> None:
         """Forget the group and everything planned on it; the next refit joins
         a rebuilt group (its layouts and domains are read again)."""
-        self.extra_groups.clear()
+        self.broadcast_groups.clear()
         if self.group is not None:
             self.group.close()
             self.group = None

@@ -16,7 +16,7 @@
    new weights) and :class:`MixedWeightsError` says so.
 
 The call blocks until the workers are done, so the trainer side must push
-concurrently. :class:`SglangEngines` is the :class:`reshard.engines.Engines`
+concurrently. :class:`SglangEngines` is the :class:`reshard.sender.engines.Engines`
 of one or more servers: ``sender.push(n, engines=SglangEngines([url]))`` on
 one trainer rank does both (other ranks call ``sender.push(n)``). By hand:
 :meth:`SglangEngine.refit_async` (a future), then ``sender.push(n)``.
@@ -293,7 +293,7 @@ class SglangEngine:
 
 
 class SglangEngines:
-    """SGLang servers as :class:`reshard.engines.Engines`: ``sender.push(n,
+    """SGLang servers as :class:`reshard.sender.engines.Engines`: ``sender.push(n,
     engines=SglangEngines(["http://engine-0:30000", ...]))``. Engine ``i``'s
     workers take the refit ranks after engine ``i-1``'s; all engines are
     refitted concurrently, each paused, updated, flushed and resumed."""

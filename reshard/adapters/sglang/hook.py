@@ -170,9 +170,9 @@ def _refuse(cmd: Command, rank: int, message: str) -> None:
     (the planner's own check reports it), not the group's step protocol."""
     import torch
 
-    from reshard.layouts import PieceSpec
     from reshard.plan.box import Box
     from reshard.plan.layout import TensorMeta
+    from reshard.plan.specs import PieceSpec
     from reshard.receiver import Receiver
 
     reason = " ".join(message.split())[:300]

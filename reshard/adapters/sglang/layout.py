@@ -29,9 +29,9 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from reshard.adapters.vllm.layout import LearnedLayout, view_box
-from reshard.layouts import PieceSpec
 from reshard.plan.box import Box
 from reshard.plan.layout import TensorMeta
+from reshard.plan.specs import PieceSpec
 
 if TYPE_CHECKING:
     import torch

@@ -26,9 +26,9 @@ from typing import TYPE_CHECKING, Any
 
 from reshard.adapters.sglang.layout import LearnedLayout, canonical_tensors_of, learn_layout
 from reshard.errors import ReshardError
-from reshard.layouts import build_layout
+from reshard.plan.items import RankPlan
 from reshard.plan.layout import TensorMeta, dtype_size
-from reshard.plan.planner import RankPlan
+from reshard.plan.specs import build_layout
 from reshard.receiver import Receiver
 from reshard.transport.group import GroupConfig
 

@@ -105,7 +105,7 @@ class HttpEngine:
 class VllmEngines:
     """Several vLLM engines (offline ``LLM`` objects, :class:`HttpEngine` or
     URLs) refit as one: engine ``i``'s workers take the refit ranks after
-    engine ``i - 1``'s. Implements :class:`reshard.engines.Engines`.
+    engine ``i - 1``'s. Implements :class:`reshard.sender.engines.Engines`.
 
     ``pause_mode``: how requests in flight are handled around a swap on
     servers (``wait``, ``keep`` or ``abort``; offline engines generate only

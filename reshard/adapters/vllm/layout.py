@@ -27,9 +27,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from reshard.layouts import PieceSpec
 from reshard.plan.box import Box
 from reshard.plan.layout import TensorMeta
+from reshard.plan.specs import PieceSpec
 
 if TYPE_CHECKING:
     import torch

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["PRESETS", "Cluster", "Placement", "place"]
+__all__ = ["PRESETS", "Cluster", "Deployment", "place"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -63,7 +63,7 @@ PRESETS: dict[str, Cluster] = {
 
 
 @dataclass(frozen=True, slots=True)
-class Placement:
+class Deployment:
     """Where each rank runs. Trainer ranks come first, then engine ranks."""
 
     gpu_of: tuple[int, ...]
@@ -79,7 +79,7 @@ class Placement:
         return len({g for g, d in zip(self.gpu_of, self.domain_of, strict=True) if d == domain})
 
 
-def place(cluster: Cluster, n_trainer: int, n_engine: int, *, colocate: bool = False) -> Placement:
+def place(cluster: Cluster, n_trainer: int, n_engine: int, *, colocate: bool = False) -> Deployment:
     """Trainer rank i on GPU i; engine ranks on the hosts after the trainer's
     (each side fills its hosts in order), or, with ``colocate``, engine rank
     j on GPU j, sharing GPUs and hosts with the trainer."""
@@ -91,7 +91,7 @@ def place(cluster: Cluster, n_trainer: int, n_engine: int, *, colocate: bool = F
     gpus = list(range(n_trainer)) + [engine_first_gpu + j for j in range(n_engine)]
     hosts = [g // gph for g in gpus]
     domains = [h // cluster.hosts_per_domain for h in hosts]
-    return Placement(
+    return Deployment(
         gpu_of=tuple(gpus),
         host_of=tuple(hosts),
         domain_of=tuple(domains),

@@ -45,8 +45,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from reshard.plan.box import chunk_range
+from reshard.plan.index import LayoutSet, gc_paused
 from reshard.plan.layout import Grid, Layout, LocalTensor, Mesh, TensorMeta
-from reshard.plan.planner import LayoutSet, gc_paused
 
 __all__ = ["EngineSpec", "SideLayouts", "TrainerSpec", "engine_layouts", "trainer_layouts"]
 

@@ -7,11 +7,13 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from reshard.plan.cluster import PRESETS as CLUSTERS
-from reshard.plan.cluster import Cluster, place
-from reshard.plan.cost import gather_broadcast_cost, lower_bound, reshard_cost
-from reshard.plan.planner import DEFAULT_ROUND_BYTES, Planner, gc_paused
-from reshard.plan.rules import EngineSpec, SideLayouts, TrainerSpec, engine_layouts, trainer_layouts
+from reshard.costmodel.cluster import PRESETS as CLUSTERS
+from reshard.costmodel.cluster import Cluster, place
+from reshard.costmodel.cost import gather_broadcast_cost, lower_bound, reshard_cost
+from reshard.costmodel.rules import EngineSpec, SideLayouts, TrainerSpec, engine_layouts, trainer_layouts
+from reshard.plan.index import gc_paused
+from reshard.plan.planner import Planner
+from reshard.plan.rounds import DEFAULT_ROUND_BYTES
 
 __all__ = ["PlanReport", "plan_report"]
 

@@ -37,8 +37,10 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from reshard.plan.cluster import Cluster, Placement
-from reshard.plan.planner import LayoutSet, Planner, Traffic
+from reshard.costmodel.cluster import Cluster, Deployment
+from reshard.plan.index import LayoutSet
+from reshard.plan.planner import Planner
+from reshard.plan.traffic import Traffic
 
 __all__ = ["MethodCost", "gather_broadcast_cost", "lower_bound", "reshard_cost"]
 
@@ -65,7 +67,7 @@ class MethodCost:
         }
 
 
-def reshard_cost(traffic: Traffic, cluster: Cluster, placement: Placement) -> MethodCost:
+def reshard_cost(traffic: Traffic, cluster: Cluster, placement: Deployment) -> MethodCost:
     nic, nvl, hbm = cluster.nic_bytes_per_s, cluster.nvlink_bytes_per_s, cluster.hbm_bytes_per_s
     nic_in: Counter = Counter()
     nic_out: Counter = Counter()
@@ -130,7 +132,7 @@ def gather_broadcast_cost(
     sources: LayoutSet,
     engine_ranks: range,
     cluster: Cluster,
-    placement: Placement,
+    placement: Deployment,
 ) -> MethodCost:
     """Gather full tensors on each stage's first rank, then broadcast them all."""
     nic, nvl = cluster.nic_bytes_per_s, cluster.nvlink_bytes_per_s
@@ -196,7 +198,7 @@ def _numel(shape: tuple[int, ...]) -> int:
     return n
 
 
-def lower_bound(planner: Planner, cluster: Cluster, placement: Placement) -> tuple[int, float]:
+def lower_bound(planner: Planner, cluster: Cluster, placement: Deployment) -> tuple[int, float]:
     """(network bytes, seconds) no plan for these layouts can beat."""
     ingress = planner.domain_ingress()
     seconds = 0.0

@@ -201,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from reshard.adapters.vllm.driver import VllmEngines
-    from reshard.tiny import build_tiny_model
+    from reshard.testing.tiny import build_tiny_model
 
     t_start = time.monotonic()
     work = Path(args.workdir or tempfile.mkdtemp(prefix="reshard-demo-"))

@@ -4,7 +4,7 @@ Starts trainer and engine-worker processes on this machine (gloo over
 loopback), builds a synthetic Llama-style model (bf16), lays it out as an
 FSDP2 trainer (``Shard(0)`` over the trainer ranks) and as vLLM workers
 (fused ``qkv_proj`` and ``gate_up_proj``, vocab padding, column and row
-parallel layers, from :mod:`reshard.plan.rules`), then runs both methods
+parallel layers, from :mod:`reshard.costmodel.rules`), then runs both methods
 after a warm-up, several times, alternating. Every destination slice is
 compared bit for bit with the source model. In the same run it times a
 plain point-to-point transfer of the same volume between two processes
@@ -100,9 +100,9 @@ def _worker(rank: int, case: BenchCase, address: str, reps: int, warmup: int, q)
 def _run_rank(rank: int, case: BenchCase, address: str, reps: int, warmup: int) -> dict:
     import torch
 
-    from reshard.layouts import GridSpec
+    from reshard.costmodel.rules import EngineSpec, engine_layouts
     from reshard.plan.layout import Mesh
-    from reshard.plan.rules import EngineSpec, engine_layouts
+    from reshard.plan.specs import GridSpec
     from reshard.receiver import Receiver
     from reshard.sender import Sender
     from reshard.transport.group import GroupConfig
@@ -139,7 +139,7 @@ def _run_rank(rank: int, case: BenchCase, address: str, reps: int, warmup: int) 
         return out
     side = engine_layouts(metas, case.config, EngineSpec(tp=case.engine_tp, dp=case.engine_dp), base=t)
     layout = side.layout_of(rank)
-    from reshard.plan.planner import LayoutSet
+    from reshard.plan.index import LayoutSet
 
     ls = LayoutSet.from_layouts("destination", [layout])
     slots = []
@@ -172,8 +172,8 @@ def _run_rank(rank: int, case: BenchCase, address: str, reps: int, warmup: int) 
 def _volume(case: BenchCase, metas) -> int:
     """What the engine workers keep in all (a model per replica, plus the
     copies of replicated tensors such as norms that every TP rank keeps)."""
-    from reshard.plan.planner import LayoutSet
-    from reshard.plan.rules import EngineSpec, engine_layouts
+    from reshard.costmodel.rules import EngineSpec, engine_layouts
+    from reshard.plan.index import LayoutSet
 
     side = engine_layouts(metas, case.config, EngineSpec(tp=case.engine_tp, dp=case.engine_dp), base=0)
     ls = LayoutSet("destination")
@@ -192,7 +192,7 @@ def _volume(case: BenchCase, metas) -> int:
 def _check(local, slots) -> bool:
     import torch
 
-    from reshard.transport.execute import Executor
+    from reshard.transport.execute import local_view
 
     cache: dict[str, Any] = {}
     for meta, s in slots:
@@ -200,7 +200,7 @@ def _check(local, slots) -> bool:
         if full is None:
             full = cache[meta.name] = _global(meta)
         want = full[tuple(slice(o, o + n) for o, n in zip(s.box.offsets, s.box.sizes, strict=True))]
-        got = Executor._view(local[s.local], s, s.box)
+        got = local_view(local[s.local], s, s.box)
         if not torch.equal(got.view(torch.int16), want.view(torch.int16)):
             return False
     return True

@@ -10,7 +10,7 @@ __all__ = ["main"]
 
 
 def _plan(args: argparse.Namespace) -> int:
-    from reshard.plan.report import plan_report
+    from reshard.costmodel.report import plan_report
 
     report = plan_report(
         model=args.model,
@@ -51,11 +51,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "bench":
-        from reshard.bench import main as bench_main
+        from reshard.tools.bench import main as bench_main
 
         return bench_main(argv[1:])
     if argv and argv[0] == "demo":
-        from reshard.demo import main as demo_main
+        from reshard.tools.demo import main as demo_main
 
         return demo_main(argv[1:])
     parser = build_parser()

@@ -15,18 +15,22 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from reshard.errors import PlanError, Problem, RefitError
+from reshard.errors import PlanError, Problem
 from reshard.plan.box import Box
+from reshard.plan.index import LayoutSet
 from reshard.plan.layout import Slot, TensorMeta
-from reshard.plan.planner import LayoutSet
 from reshard.transport import wire
-from reshard.transport.execute import ExecStats, _align
+from reshard.transport.execute import ExecStats, align, local_view
 
 if TYPE_CHECKING:
-    from reshard.transport.session import RefitSession
+    import torch
+
+    from reshard.plan.planner import Planner
+    from reshard.transport.group import RefitGroup
 
 __all__ = ["DEFAULT_BUCKET_BYTES", "gather_broadcast"]
 
@@ -86,7 +90,7 @@ def _buckets(order, roots: dict[str, int], bucket_bytes: int) -> list[tuple[int,
         step = max(1, bucket_bytes // row_bytes) if row_bytes else rows
         for lo in range(0, rows, step):
             hi = min(rows, lo + step)
-            n = _align((hi - lo) * row_bytes)
+            n = align((hi - lo) * row_bytes)
             if cur and (root != cur_root or fill + n > bucket_bytes):
                 out.append((cur_root, cur))
                 cur, fill = [], 0
@@ -98,18 +102,28 @@ def _buckets(order, roots: dict[str, int], bucket_bytes: int) -> list[tuple[int,
     return out
 
 
-def gather_broadcast(session: RefitSession, refit: int, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> ExecStats:
-    """Run one gather-and-broadcast refit on ``session``'s group (collective)."""
+def gather_broadcast(
+    group: RefitGroup,
+    planner: Planner,
+    refit: int,
+    *,
+    tensors: Mapping[str, torch.Tensor],
+    device: torch.device | str,
+    broadcast_groups: dict[int, object],
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+) -> ExecStats:
+    """Run one gather-and-broadcast refit on ``group`` (collective): this
+    rank's ``tensors`` are its sources (a trainer rank) or destinations (an
+    engine worker); ``broadcast_groups`` keeps the broadcast process groups
+    (one per root) for as long as ``group`` lives. Raises
+    :class:`RefitError` on every rank if any failed."""
     import torch
     from torch.distributed import BroadcastOptions
 
-    if session.group is None:
-        session.connect()
-    group = session.group
-    assert group is not None
-    planner = session._planner()
     sources, dests = planner.sources, planner.dests
-    rank = session.rank
+    rank = group.rank
+    is_source = group.role == "source"
+    num_sources = group.config.num_sources
     # Same validation as reshard's plan, agreed by every rank before any byte moves.
     problems: tuple[Problem, ...] = ()
     try:
@@ -123,37 +137,36 @@ def gather_broadcast(session: RefitSession, refit: int, *, bucket_bytes: int = D
     src_slots = {m.name: _slots(sources, m.name) for m in planner.order}
     roots = {name: min(s.rank for s in slots) for name, slots in src_slots.items()}
     buckets = _buckets(planner.order, roots, bucket_bytes)
-    engines = list(range(session.config.num_sources, session.config.world_size))
+    engines = list(range(num_sources, group.world_size))
     dst_mine: dict[str, list[Slot]] = defaultdict(list)
-    if not session.is_source:
+    if not is_source:
         for m in planner.order:
             dst_mine[m.name] = [s for s in _slots(dests, m.name) if s.rank == rank]
-    device = torch.device(session.device)
-    # Broadcast groups live as long as the refit group (one per root).
-    pgs = session.extra_groups
+    device = torch.device(device)
+    pgs = broadcast_groups
     error = ""
     try:
         for root, items in buckets:
-            size = items[-1].offset + _align(items[-1].nbytes)
-            member = rank == root or not session.is_source
+            size = items[-1].offset + align(items[-1].nbytes)
+            member = rank == root or not is_source
             if not member and all(not _holds(src_slots[it.meta.name], rank, it) for it in items):
                 continue
             buf = torch.empty(size, dtype=torch.uint8, device=device) if member else None
             stats.peak_staging_bytes = max(stats.peak_staging_bytes, size if member else 0)
-            _gather(session, root, items, src_slots, buf, stats)
+            _gather(group, tensors, root, items, src_slots, buf, stats)
             if member:
                 assert buf is not None
                 pg = pgs.get(root)
                 if pg is None:
-                    pg = pgs[root] = _broadcast_group(session, root, engines)
+                    pg = pgs[root] = _broadcast_group(group, root, engines)
                 opts = BroadcastOptions()
                 opts.rootRank = 0
                 pg.broadcast([buf], opts).wait()  # type: ignore[attr-defined]
                 payload = sum(it.nbytes for it in items)
-                if not session.is_source:
+                if not is_source:
                     stats.bytes_received += payload
                     stats.messages_received += 1
-                    _unpack(session, items, buf, dst_mine)
+                    _unpack(tensors, items, buf, dst_mine)
                 elif rank == root:
                     stats.bytes_sent += payload * len(engines)
             stats.rounds += 1
@@ -161,12 +174,7 @@ def gather_broadcast(session: RefitSession, refit: int, *, bucket_bytes: int = D
         error = f"{type(e).__name__}: {e}"
         group.signal_abort(refit, error)
     stats.seconds = time.perf_counter() - t0
-    try:
-        group.agree("transfer", refit, wire.Status(rank=rank, step="transfer", refit=refit, ok=not error, error=error))
-    except RefitError:
-        session.close()
-        raise
-    session.last_refit = refit
+    group.agree("transfer", refit, wire.Status(rank=rank, step="transfer", refit=refit, ok=not error, error=error))
     return stats
 
 
@@ -175,15 +183,13 @@ def _holds(slots: list[Slot], rank: int, item: _Item) -> bool:
     return any(s.rank == rank and s.box.intersect(box) is not None for s in slots)
 
 
-def _gather(session: RefitSession, root: int, items: list[_Item], src_slots, buf, stats: ExecStats) -> None:
+def _gather(
+    group: RefitGroup, tensors: Mapping, root: int, items: list[_Item], src_slots, buf, stats: ExecStats
+) -> None:
     """Every bucket piece goes from its lowest-ranked holder to the root."""
     import torch
 
-    from reshard.transport.execute import Executor
-
-    group = session.group
-    assert group is not None
-    rank = session.rank
+    rank = group.rank
     works = []
     keep = []
     for it in items:
@@ -198,7 +204,7 @@ def _gather(session: RefitSession, root: int, items: list[_Item], src_slots, buf
                 continue
             dtype = getattr(torch, it.meta.dtype)
             if rank == s.rank:
-                src = Executor._view(session.tensors[s.local], s, part)
+                src = local_view(tensors[s.local], s, part)
             if rank == root:
                 assert buf is not None
                 whole = buf.narrow(0, it.offset, it.nbytes).view(dtype).view(box.sizes)
@@ -226,33 +232,29 @@ def _gather(session: RefitSession, root: int, items: list[_Item], src_slots, buf
             stats.bytes_received += tmp.numel() * tmp.element_size()
 
 
-def _broadcast_group(session: RefitSession, root: int, engines: list[int]) -> object:
+def _broadcast_group(group: RefitGroup, root: int, engines: list[int]) -> object:
     import datetime
 
     from torch.distributed import PrefixStore, ProcessGroupGloo
 
-    group = session.group
-    assert group is not None
     members = [root, *engines]
     store = PrefixStore(f"bcast/{root}", group.store)
-    timeout = datetime.timedelta(seconds=session.config.timeout_s)
+    timeout = datetime.timedelta(seconds=group.config.timeout_s)
     if group.backend == "gloo":
         opts = ProcessGroupGloo._Options()  # type: ignore[attr-defined]
         opts._timeout = timeout
         opts._devices = [ProcessGroupGloo.create_default_device()]
-        return ProcessGroupGloo(store, members.index(session.rank), len(members), opts)
+        return ProcessGroupGloo(store, members.index(group.rank), len(members), opts)
     from torch.distributed import ProcessGroupNCCL
 
     opts = ProcessGroupNCCL.Options()
     opts._timeout = timeout
-    return ProcessGroupNCCL(store, members.index(session.rank), len(members), opts)
+    return ProcessGroupNCCL(store, members.index(group.rank), len(members), opts)
 
 
-def _unpack(session: RefitSession, items: list[_Item], buf, dst_mine: dict[str, list[Slot]]) -> None:
+def _unpack(tensors: Mapping, items: list[_Item], buf, dst_mine: dict[str, list[Slot]]) -> None:
     """Keep the slices this engine worker needs; drop the rest of the bucket."""
     import torch
-
-    from reshard.transport.execute import Executor
 
     for it in items:
         box = it.box
@@ -267,4 +269,4 @@ def _unpack(session: RefitSession, items: list[_Item], buf, dst_mine: dict[str, 
             src = whole[
                 tuple(slice(o - b, o - b + n) for o, b, n in zip(part.offsets, box.offsets, part.sizes, strict=True))
             ]
-            Executor._view(session.tensors[s.local], s, part).copy_(src)
+            local_view(tensors[s.local], s, part).copy_(src)
