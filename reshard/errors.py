@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 import msgspec
 
-__all__ = ["MetadataError", "PlanError", "Problem", "RefitError", "ReshardError"]
+__all__ = ["MetadataError", "MixedWeightsError", "PlanError", "Problem", "RefitError", "ReshardError", "span"]
 
 
 class ReshardError(RuntimeError):
@@ -70,13 +70,21 @@ class RefitError(ReshardError):
             by_message.setdefault(msg, []).append(r)
         lines = []
         for msg, ranks in by_message.items():
-            who = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {_span(ranks)}"
+            who = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {span(ranks)}"
             text = msg.replace("\n", "\n    ")
             lines.append(f"  {who}: {text}")
         super().__init__(f"{head} on {len(self.errors)} rank(s):\n" + "\n".join(lines))
 
 
-def _span(ranks: list[int]) -> str:
+class MixedWeightsError(RefitError):
+    """A refit failed after some of an engine's weights took their new values:
+    the engine now mixes old and new weights until a refit succeeds. Drivers
+    keep such a server paused (``paused``) rather than let it serve them."""
+
+    paused: bool = False
+
+
+def span(ranks: list[int]) -> str:
     """``[0, 1, 2, 5]`` -> ``0-2, 5``."""
     out = []
     start = prev = ranks[0]

@@ -347,41 +347,28 @@ def megatron_trainer(rank: int, address: str, pg_port: int, path: str, world: in
 def engine_scenario(rank: int, v1: str, v2: str, address: str, trainers: int) -> dict[str, Any]:
     """A TP=1 vLLM engine serving ``v1`` refit to ``v2`` by Megatron TP ranks;
     then vLLM's own reload of ``v2`` as the reference, and a fresh engine's tokens."""
-    import multiprocessing as mp
-
     from reshard.adapters.vllm.driver import init_workers, pull_workers
     from tests import procs
-    from tests.vllm_support import fresh_greedy, greedy, make_llm, shutdown
+    from tests.vllm_support import flat, fresh_greedy, greedy, make_llm, shutdown
 
     out: dict[str, Any] = {"fresh_v2": procs.check(procs.run(fresh_greedy, 1, v2, timeout=300))[0]}
     llm = make_llm(v1, 1)
     try:
         out["before"] = greedy(llm)
         init_workers(llm, {"address": address, "num_sources": trainers, "num_destinations": 1, "timeout_s": 120})
-        ctx = mp.get_context("spawn")
-        q = ctx.Queue()
         pg_port = procs.free_port()
-        ps = [
-            ctx.Process(
-                target=procs._entry, args=(megatron_trainer, r, (address, pg_port, v2, trainers), q), daemon=True
-            )
-            for r in range(trainers)
-        ]
-        for p in ps:
-            p.start()
+        ps = [procs.spawn(megatron_trainer, r, address, pg_port, v2, trainers) for r in range(trainers)]
         llm.collective_rpc("capture_begin")
         try:
-            out["stats"] = pull_workers(llm, 1)
+            out["stats"] = flat(pull_workers(llm, 1))
             out["error"] = None
         except Exception as e:
             out["error"] = str(e)
         out["digests"] = llm.collective_rpc("capture_end")
         out["trainers"] = []
-        for _ in ps:
-            _rank, ok, value, err, _secs = q.get(timeout=300)
-            out["trainers"].append(value if ok else {"error": err})
         for p in ps:
-            p.join(timeout=30)
+            o = p.outcome(300)
+            out["trainers"].append(o.value if o.ok else {"error": o.error})
         llm.reset_prefix_cache()
         out["after"] = greedy(llm)
         llm.collective_rpc("capture_begin")

@@ -64,6 +64,50 @@ def _entry(fn: Callable, rank: int, args: tuple, q) -> None:
         q.put((rank, False, None, f"{type(e).__name__}: {e}\n{traceback.format_exc()}", time.monotonic() - t0))
 
 
+class Running:
+    """A function running in a process of its own (see :func:`spawn`)."""
+
+    def __init__(self, fn: Callable, rank: int, args: tuple, *, daemon: bool = True) -> None:
+        ctx = mp.get_context("spawn")
+        self.rank = rank
+        self.queue = ctx.Queue()
+        self.process = ctx.Process(target=_entry, args=(fn, rank, args, self.queue), daemon=daemon)
+        self.process.start()
+        self._outcome: Outcome | None = None
+
+    def poll(self, timeout: float = 0.0) -> Outcome | None:
+        """The outcome once the function returned or raised (``None`` before)."""
+        if self._outcome is None:
+            try:
+                rank, ok, value, error, secs = self.queue.get(timeout=timeout) if timeout else self.queue.get_nowait()
+                self._outcome = Outcome(rank, ok, value, error, secs)
+            except Exception:
+                return None
+        return self._outcome
+
+    def outcome(self, timeout: float = 180.0) -> Outcome:
+        """Wait for the outcome; a process still alive at ``timeout`` is killed
+        and reported as hung, one that died without an answer as such."""
+        deadline = time.monotonic() + timeout
+        while self.poll(0.2) is None and time.monotonic() < deadline:
+            if not self.process.is_alive() and self.poll(0.2) is None:
+                break
+        self.process.join(timeout=5)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join()
+        out = self._outcome or Outcome(self.rank, False, error="no result (hung or killed)")
+        out.exitcode = self.process.exitcode
+        self._outcome = out
+        return out
+
+
+def spawn(fn: Callable, rank: int, *args: Any, daemon: bool = True) -> Running:
+    """Start ``fn(rank, *args)`` in a spawned process of its own; ``daemon=False``
+    lets it start processes of its own (an engine's workers)."""
+    return Running(fn, rank, args, daemon=daemon)
+
+
 def run(
     fn: Callable,
     world: int,
@@ -77,29 +121,10 @@ def run(
     Processes still alive at ``timeout`` are killed and reported as hung.
     ``daemon=False`` lets them start processes of their own.
     """
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
     ranks = list(range(world)) if ranks is None else ranks
-    procs = {r: ctx.Process(target=_entry, args=(fn, r, args, q), daemon=daemon) for r in ranks}
-    for p in procs.values():
-        p.start()
-    results: dict[int, Outcome] = {}
+    running = [spawn(fn, r, *args, daemon=daemon) for r in ranks]
     deadline = time.monotonic() + timeout
-    while len(results) < len(procs) and time.monotonic() < deadline:
-        try:
-            rank, ok, value, error, secs = q.get(timeout=0.2)
-            results[rank] = Outcome(rank, ok, value, error, secs)
-        except Exception:
-            if all(not p.is_alive() for p in procs.values()) and q.empty():
-                break
-    for r, p in procs.items():
-        p.join(timeout=5)
-        if p.is_alive():
-            p.kill()
-            p.join()
-        out = results.setdefault(r, Outcome(r, False, error="no result (hung or killed)"))
-        out.exitcode = p.exitcode
-    return [results[r] for r in ranks]
+    return [r.outcome(max(0.0, deadline - time.monotonic())) for r in running]
 
 
 def check(outcomes: list[Outcome]) -> list[Any]:

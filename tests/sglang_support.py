@@ -135,99 +135,55 @@ class Server:
             raise RuntimeError(f"update_weights_from_disk: {status} {out}")
 
 
-def _trainer_loop(rank: int, world: int, pg_port: int, inbox, outbox) -> None:
-    """One trainer rank that serves refits until it reads ``None``: each
-    builds the checkpoint under FSDP2 over ``world`` ranks and pushes it."""
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    import torch
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-    from transformers import AutoModelForCausalLM
-
+def sglang_trainer_push(
+    rank: int, world: int, pg_port: int, path: str, config: dict[str, Any], refit: int, mutate: str, drive: str
+) -> dict[str, Any]:
+    """One FSDP2 trainer rank pushes ``path`` as refit ``refit``; with
+    ``drive`` (a server URL), rank 0 also drives the server (the one-call path)."""
     from reshard import GroupConfig, Sender
-    from reshard.sender import default_rename
+    from tests.trainers import fsdp2_model, mutated_rename
 
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(pg_port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    mesh = init_device_mesh("cpu", (world,))
     try:
-        while (job := inbox.get()) is not None:
-            path, config, refit, mutate, drive = job
-            try:
-                model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-                if mutate == "shape":
-                    # A trainer whose model disagrees with the engine's on one tensor.
-                    model.model.norm.weight = torch.nn.Parameter(torch.zeros(model.model.norm.weight.shape[0] + 1))
-                for layer in model.model.layers:
-                    fully_shard(layer, mesh=mesh)
-                fully_shard(model, mesh=mesh)
-
-                def rename(n: str, mutate: str = mutate) -> str | None:
-                    if mutate == "missing" and n == "model.layers.1.post_attention_layernorm.weight":
-                        return None
-                    return default_rename(n)
-
-                sender = Sender(model, config=GroupConfig(**config), rename=rename)
-                try:
-                    if drive and rank == 0:
-                        # The one-call path: this rank also drives the SGLang server.
-                        st = sender.push(refit, engines=SglangEngines([drive]))
-                    else:
-                        st = sender.push(refit)
-                    engine_stats = getattr(sender, "engine_stats", None) if drive and rank == 0 else None
-                    outbox.put((rank, {"ok": True, "sent": st.exec.bytes_sent, "engine_stats": engine_stats}))
-                finally:
-                    sender.close()
-            except Exception as e:
-                outbox.put((rank, {"ok": False, "error": str(e), "step": getattr(e, "step", None)}))
-    finally:
-        dist.destroy_process_group()
+        model = fsdp2_model(rank, world, pg_port, path, mutate=mutate)
+        sender = Sender(model, config=GroupConfig(**config), rename=mutated_rename(mutate))
+        try:
+            if drive and rank == 0:
+                st = sender.push(refit, engines=SglangEngines([drive]))
+                engine_stats = [r.to_builtins() for r in sender.engine_stats]
+            else:
+                st = sender.push(refit)
+                engine_stats = None
+            return {"ok": True, "sent": st.exec.bytes_sent, "engine_stats": engine_stats}
+        finally:
+            sender.close()
+    except Exception as e:
+        return {"ok": False, "error": str(e), "step": getattr(e, "step", None)}
 
 
 class Trainers:
-    """``world`` FSDP2 trainer ranks (spawned once, this venv's torch) that
-    push a checkpoint on request."""
+    """``world`` FSDP2 trainer ranks (a process pool of this venv's torch)
+    that push a checkpoint on request."""
 
     def __init__(self, world: int = 2) -> None:
-        import multiprocessing as mp
-
         from tests import procs
 
-        ctx = mp.get_context("spawn")
         self.world = world
-        self.outbox = ctx.Queue()
-        self.inboxes = [ctx.Queue() for _ in range(world)]
-        port = procs.free_port()
-        self.procs = [
-            ctx.Process(target=_trainer_loop, args=(r, world, port, self.inboxes[r], self.outbox), daemon=True)
-            for r in range(world)
-        ]
-        for p in self.procs:
-            p.start()
+        self.pool = procs.Pool(world)
+        self.port = procs.free_port()
 
     def start_push(
         self, path: str | os.PathLike, config: dict[str, Any], refit: int, mutate: str = "", drive: str = ""
     ) -> None:
         """Every rank pushes; with ``drive`` (a server URL), rank 0 drives it too."""
-        for q in self.inboxes:
-            q.put((str(path), config, refit, mutate, drive))
+        self.pool.submit(sglang_trainer_push, self.world, self.port, str(path), config, refit, mutate, drive)
 
     def results(self, timeout: float = 240.0) -> list[dict[str, Any]]:
-        out: dict[int, dict[str, Any]] = {}
-        for _ in range(self.world):
-            rank, value = self.outbox.get(timeout=timeout)
-            out[rank] = value
-        return [out[r] for r in range(self.world)]
+        from tests import procs
+
+        return procs.check(self.pool.wait(timeout))
 
     def close(self) -> None:
-        for q in self.inboxes:
-            q.put(None)
-        for p in self.procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
+        self.pool.close()
 
 
 def refit_with_trainers(
@@ -271,7 +227,7 @@ def refit_with_trainers(
     error: BaseException | None = None
     replies = None
     try:
-        replies = engines.refit(refit)
+        replies = [r.to_builtins() for r in engines.refit(refit)]
     except Exception as e:
         error = e
     seconds = time.monotonic() - t0

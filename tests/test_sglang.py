@@ -110,16 +110,17 @@ def _hook_run(rank: int, address: str, compute: bool, junk: bool) -> dict[str, A
             return {"ok": False, "step": e.step, "error": str(e), "seconds": time.monotonic() - t0}
         finally:
             sender.close()
+    from reshard.adapters.core.spec import GroupSpec
     from reshard.adapters.sglang import hook
     from reshard.adapters.sglang import receiver as receiver_mod
-    from reshard.adapters.sglang.driver import SglangEngine, group_spec
+    from reshard.adapters.sglang.driver import SglangEngine
 
     hook._parallel = lambda: (0, 1, 1)  # what SGLang's runtime context says in a TP=1 worker
     receiver_mod.canonical_tensors_of = lambda model: METAS
     model = Toy(compute=compute)
     if junk:
         hook.load(model, [("model.layers.0.whatever", torch.empty(0))])  # must not raise
-    cmd = protocol.Command(op="pull", id="t1", group=group_spec(cfg), refit=1)
+    cmd = protocol.Command(op="pull", id="t1", group=GroupSpec.of(cfg), refit=1)
     hook.load(model, [(protocol.encode_command(cmd), torch.empty(0))])  # must not raise either way
     replies = SglangEngine("http://unused", tp_size=1)._replies(cmd, 1, wait_s=5)
     ref = Toy()
@@ -153,15 +154,19 @@ def test_hook_with_an_unlearnable_model_fails_the_plan_at_once_and_never_raises(
 
 def test_command_round_trip():
     from reshard import GroupConfig
-    from reshard.adapters.sglang.driver import command_payload, group_spec
-    from reshard.adapters.sglang.hook import group_config
+    from reshard.adapters.core.spec import GroupSpec
+    from reshard.adapters.sglang.driver import command_payload
 
-    trainer_side = GroupConfig(address="h:1", num_sources=2, num_destinations=4, generation=3, domain="rack-7")
-    group = group_spec(trainer_side, engine_offset=2)
-    assert group.config == {"address": "h:1", "num_sources": 2, "num_destinations": 4, "generation": 3}
+    trainer_side = GroupConfig(
+        address="h:1", num_sources=2, num_destinations=4, generation=3, domain="rack-7", token="secret"
+    )
+    group = GroupSpec.of(trainer_side, engine_offset=2)
+    # Per-rank fields and the job token stay behind.
+    assert (group.address, group.num_sources, group.generation, group.engine_offset) == ("h:1", 2, 3, 2)
+    assert (group.domain, group.token) == (None, None)
     cmd = protocol.Command(op="pull", id="x", group=group)
     assert protocol.decode_command(protocol.encode_command(cmd)) == cmd
-    worker_side = group_config(group)
+    worker_side = group.config()
     assert (worker_side.generation, worker_side.host_store, worker_side.domain) == (3, False, None)
     assert command_payload(cmd)  # base64 text
     with pytest.raises(ValueError, match="not a reshard command"):
@@ -212,6 +217,7 @@ class FakeSglang:
         import base64
         import pickle
 
+        from reshard.adapters.core.replies import WorkerReply
         from reshard.adapters.sglang import hook
 
         for tp_rank, payload in enumerate(payloads):
@@ -219,9 +225,9 @@ class FakeSglang:
                 continue  # a worker that died
             [(name, _)] = pickle.loads(base64.b64decode(payload))  # test-only: our own payload
             cmd = protocol.decode_command(name)
-            rank = cmd.group.num_sources + cmd.group.engine_offset + tp_rank
+            rank = cmd.group.rank_of(tp_rank)
             ok = self.outcome in ("ok", "silent")
-            reply = protocol.Reply(
+            reply = WorkerReply(
                 id=cmd.id,
                 rank=rank,
                 tp_rank=tp_rank,

@@ -160,7 +160,7 @@ def test_a_peer_killed_mid_transfer_fails_every_live_rank_within_the_timeout():
 # -- the store's host dies ----------------------------------------------------------
 
 
-def _host_store(address: str, ready: str) -> None:
+def _host_store(_rank: int, address: str, ready: str) -> None:
     """A process that hosts the refit store (bound to its address) until killed."""
     import pathlib
 
@@ -172,11 +172,8 @@ def _host_store(address: str, ready: str) -> None:
 
 
 def _start_store(address: str, path) -> tuple:
-    import multiprocessing as mp
-
     ready = path / f"ready.{time.monotonic_ns()}"
-    p = mp.get_context("spawn").Process(target=_host_store, args=(address, str(ready)), daemon=True)
-    p.start()
+    p = procs.spawn(_host_store, 0, address, str(ready)).process
     deadline = time.monotonic() + 60
     while not ready.exists():
         assert time.monotonic() < deadline and p.is_alive(), "the store host did not start"
@@ -371,15 +368,11 @@ def _first_life_of_the_leader(rank: int, address: str) -> None:
 
 
 def _leader_dies(rank: int, address: str, leader: int) -> dict:
-    import multiprocessing as mp
-
     if rank == leader:
         # The leader's first life, in a child process that dies after it pulled
         # two rounds and forwarded one; this process is its replacement.
-        child = mp.get_context("spawn").Process(target=_first_life_of_the_leader, args=(rank, address))
-        child.start()
-        child.join()
-        assert child.exitcode == 17, child.exitcode
+        first = procs.spawn(_first_life_of_the_leader, rank, address, daemon=False).outcome(120)
+        assert first.exitcode == 17, first
         r = _replica(rank, address, 0.0, die_after=None)  # refit 1, in the rebuilt group
         ep, local = r["ep"], r["local"]
         result = {"first": "died", "second": bool((local == 1.0).all())}

@@ -5,9 +5,6 @@ completion on the new weights."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import threading
 import time
 import urllib.request
@@ -18,33 +15,13 @@ from reshard import GroupConfig
 from reshard.testing.tiny import build_tiny_model
 
 from . import procs
-from .vllm_support import MAX_TOKENS, PROMPTS, fresh_greedy, fsdp_trainer, plain_trainer
+from .vllm_support import MAX_TOKENS, PROMPTS, VllmServer, fresh_greedy, fsdp_trainer, plain_trainer, server_greedy
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
 
-def _get(url: str) -> int:
-    try:
-        with urllib.request.urlopen(url, timeout=5) as r:
-            return r.status
-    except OSError:
-        return 0
-
-
 def _complete(url: str, model: str, prompt: list[int], max_tokens: int = MAX_TOKENS) -> list[int]:
-    body = {
-        "model": model,
-        "prompt": prompt,
-        "max_tokens": max_tokens,
-        "temperature": 0,
-        "ignore_eos": True,
-        "return_token_ids": True,
-    }
-    req = urllib.request.Request(
-        f"{url}/v1/completions", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
-    )
-    with urllib.request.urlopen(req, timeout=120) as r:
-        return list(json.loads(r.read())["choices"][0]["token_ids"])
+    return server_greedy(url, [prompt], max_tokens)[0]
 
 
 @pytest.fixture(scope="module")
@@ -52,56 +29,17 @@ def server(tmp_path_factory):
     root = tmp_path_factory.mktemp("server")
     v1 = build_tiny_model(root / "v1", "qwen2", seed=0)
     v2 = build_tiny_model(root / "v2", "qwen2", seed=7)
-    port = procs.free_port()
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(
-        os.environ,
-        VLLM_SERVER_DEV_MODE="1",
-        VLLM_CPU_KVCACHE_SPACE="1",
-        PYTHONPATH=os.pathsep.join([repo, os.environ.get("PYTHONPATH", "")]),
-    )
-    # `vllm serve` itself: vllm-cpu's CLI looks up the version of a package
-    # named "vllm" and fails, so start the same server through its module.
-    cmd = [
-        sys.executable,
-        "-m",
-        "vllm.entrypoints.openai.api_server",
-        "--model",
+    srv = VllmServer(
         str(v1),
-        "--port",
-        str(port),
-        "--host",
-        "127.0.0.1",
-        "--dtype",
-        "float32",
-        "--max-model-len",
-        "512",
-        "--block-size",
-        "32",
-        "--max-num-seqs",
-        "4",
-        "--enforce-eager",
-        "--worker-extension-cls",
-        "reshard.adapters.vllm.ReshardWorkerExtension",
-    ]
-    log = open(root / "server.log", "w")  # noqa: SIM115 - closed below
-    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
+        tp=1,
+        dtype="float32",
+        log=str(root / "server.log"),
+        args=["--worker-extension-cls", "reshard.adapters.vllm.ReshardWorkerExtension"],
+    )
     try:
-        deadline = time.monotonic() + 300
-        while _get(f"{url}/health") != 200:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"vllm serve did not come up:\n{(root / 'server.log').read_text()[-4000:]}")
-            time.sleep(1)
-        yield {"url": url, "model": str(v1), "v1": str(v1), "v2": str(v2)}
+        yield {"url": srv.url, "model": str(v1), "v1": str(v1), "v2": str(v2)}
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, 9)
-            proc.wait()
-        log.close()
+        srv.close()
 
 
 def test_http_refit_then_a_completion_on_the_new_weights(server):
@@ -212,7 +150,7 @@ def test_refit_while_requests_generate_pause_swap_resume(server):
     for t in [*late, trainer, streaming]:
         t.join(timeout=120)
     assert procs.check(done["trainer"]) == [{"ok": True}]
-    assert stats[0]["ok"]
+    assert stats[0].ok
 
     assert "error" not in early, early
     assert early["done_at"] > t_pause, "the request must still be generating when the refit begins"
@@ -234,7 +172,7 @@ def test_a_server_left_with_mixed_weights_stays_paused_until_a_refit_succeeds(se
     on the new weights, so the driver leaves the server paused (requests wait,
     none is served on mixed weights) until the next refit succeeds."""
     from reshard.adapters.vllm.driver import VllmEngines
-    from reshard.errors import ReshardError
+    from reshard.errors import MixedWeightsError
 
     url, model = server["url"], server["model"]
     store = procs.StoreServer()
@@ -251,8 +189,9 @@ def test_a_server_left_with_mixed_weights_stays_paused_until_a_refit_succeeds(se
         daemon=True,
     )
     crash.start()
-    with pytest.raises(ReshardError, match="stay paused until a refit succeeds"):
+    with pytest.raises(MixedWeightsError, match="stays paused until a refit succeeds") as err:
         engines.refit(1)
+    assert err.value.paused
     crash.join(timeout=120)
     assert done["crash"][0].exitcode == 3
     assert engines.mixed and _is_paused(url)

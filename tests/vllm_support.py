@@ -14,61 +14,31 @@ import time
 from typing import Any
 
 from reshard.adapters.vllm.extension import ReshardWorkerExtension
+from reshard.testing.engines import MAX_TOKENS, PROMPTS, engine_env, greedy, offline_llm, shutdown
 
-PROMPTS = [[5, 6, 7, 8, 9], [11, 12, 13, 4, 200, 31]]
-MAX_TOKENS = 12
+__all__ = ["MAX_TOKENS", "PROMPTS", "engine_env", "greedy", "make_llm", "shutdown"]
 
 
-def engine_env(tp: int) -> None:
-    """Environment for an offline engine of ``tp`` workers started from this
-    process (read when the engine starts, so one process can host engines of
-    several sizes in turn). The engine core runs in this process (10 s less
-    per start than its own process); TP>1 workers are processes of their own."""
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    if repo not in os.environ.get("PYTHONPATH", "").split(os.pathsep):
-        os.environ["PYTHONPATH"] = os.pathsep.join([repo, os.environ.get("PYTHONPATH", "")])
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    if tp == 1:
-        os.environ.pop("VLLM_CPU_OMP_THREADS_BIND", None)
-    else:
-        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(i % (os.cpu_count() or 1)) for i in range(tp))
+def flat(replies) -> list[dict[str, Any]]:
+    """Worker replies as plain dicts (they cross process queues): the stats
+    with ``ok``, ``rank`` and ``mixed`` beside them."""
+    from reshard.adapters.core.replies import WorkerReply
+
+    out = []
+    for r in replies:
+        r = WorkerReply.parse(r)
+        out.append({**r.stats, "ok": r.ok, "rank": r.rank, "mixed": r.mixed, "error": r.error})
+    return out
 
 
 def make_llm(
     path: str, tp: int, extension: str = "tests.vllm_support.CaptureExtension", dtype: str = "float32", **kwargs
 ):
-    engine_env(tp)
-    from vllm import LLM
-
-    return LLM(
-        model=path,
-        dtype=dtype,
-        enforce_eager=True,
-        max_model_len=128,
-        block_size=32,
-        max_num_seqs=4,
-        tensor_parallel_size=tp,
-        distributed_executor_backend="mp" if tp > 1 else None,
-        worker_extension_cls=extension,
-        seed=0,
-        **kwargs,
-    )
-
-
-def shutdown(llm) -> None:
-    """Stop the engine now. A spawned test process exits without running
-    atexit handlers, so an engine still referenced (by a trainer engine's
-    client, say) would outlive it and hold its memory."""
-    llm.llm_engine.engine_core.shutdown()
-
-
-def greedy(llm) -> list[list[int]]:
-    from vllm import SamplingParams
-
-    sp = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
-    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], sp, use_tqdm=False)
-    return [list(o.outputs[0].token_ids) for o in outs]
+    """An offline engine whose workers can import this test package."""
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    if repo not in os.environ.get("PYTHONPATH", "").split(os.pathsep):
+        os.environ["PYTHONPATH"] = os.pathsep.join([repo, os.environ.get("PYTHONPATH", "")])
+    return offline_llm(path, tp, extension=extension, dtype=dtype, **kwargs)
 
 
 def fresh_greedy(rank: int, path: str) -> list[list[int]]:
@@ -169,33 +139,13 @@ def fsdp_trainer(
 ) -> dict[str, Any]:
     """A trainer rank: the checkpoint at ``path`` under FSDP2 over ``world`` ranks.
     With ``engine_url``, rank 0 also drives that ``vllm serve`` endpoint."""
-    import torch
     import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-    from transformers import AutoModelForCausalLM
 
     from reshard import GroupConfig, Sender
+    from tests.trainers import fsdp2_model, mutated_rename
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(pg_port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-        if mutate == "shape":
-            # A trainer whose model disagrees with the engine's on one tensor.
-            model.model.norm.weight = torch.nn.Parameter(torch.zeros(model.model.norm.weight.shape[0] + 1))
-        mesh = init_device_mesh("cpu", (world,))
-        for layer in model.model.layers:
-            fully_shard(layer, mesh=mesh)
-        fully_shard(model, mesh=mesh)
-        rename = None
-        if mutate == "missing":
-
-            def rename(n: str) -> str | None:
-                return None if n == "model.layers.1.post_attention_layernorm.weight" else n
-
-        from reshard.sender import default_rename
-
+        model = fsdp2_model(rank, world, pg_port, path, mutate=mutate)
         cfg = GroupConfig(
             address=address,
             num_sources=world,
@@ -204,7 +154,7 @@ def fsdp_trainer(
             host_store=False,
             generation=generation,
         )
-        sender = Sender(model, config=cfg, rename=rename or default_rename)
+        sender = Sender(model, config=cfg, rename=mutated_rename(mutate))
         engines = None
         if engine_url and rank == 0:
             from reshard.adapters.vllm.driver import VllmEngines
@@ -212,13 +162,14 @@ def fsdp_trainer(
             engines = VllmEngines([engine_url])
         try:
             st = sender.push(refit, engines=engines)
-            return {"ok": True, "sent": st.exec.bytes_sent, "engine_stats": sender.engine_stats}
+            return {"ok": True, "sent": st.exec.bytes_sent, "engine_stats": flat(sender.engine_stats)}
         except Exception as e:
             return {"ok": False, "error": str(e), "step": getattr(e, "step", None)}
         finally:
             sender.close()
     finally:
-        dist.destroy_process_group()
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 def _pull_with_trainers(
@@ -233,7 +184,6 @@ def _pull_with_trainers(
     capture: bool = True,
 ) -> dict[str, Any]:
     """Run one refit: FSDP2 trainer ranks in subprocesses, the engine's workers here."""
-    import multiprocessing as mp
 
     from reshard.adapters.vllm.driver import init_workers, pull_workers
     from tests import procs
@@ -245,37 +195,27 @@ def _pull_with_trainers(
         "timeout_s": 60,
         "generation": generation,
     }
-    init = init_workers(llm, cfg)
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
+    init = flat(init_workers(llm, cfg))
     pg_port = procs.free_port()
     ps = [
-        ctx.Process(
-            target=procs._entry,
-            args=(fsdp_trainer, r, (address, pg_port, v_path, trainer_world, tp, refit, generation, mutate), q),
-            daemon=True,
-        )
+        procs.spawn(fsdp_trainer, r, address, pg_port, v_path, trainer_world, tp, refit, generation, mutate)
         for r in range(trainer_world)
     ]
-    for p in ps:
-        p.start()
     if capture:
         llm.collective_rpc("capture_begin")
     t0 = time.monotonic()
     error = None
     stats = None
     try:
-        stats = pull_workers(llm, refit)
+        stats = flat(pull_workers(llm, refit))
     except Exception as e:
         error = str(e)
     seconds = time.monotonic() - t0
     digests = llm.collective_rpc("capture_end") if capture else None
     trainers = []
-    for _ in ps:
-        _rank, ok, value, err, _secs = q.get(timeout=120)
-        trainers.append(value if ok else {"ok": False, "error": err})
     for p in ps:
-        p.join(timeout=30)
+        o = p.outcome(120)
+        trainers.append(o.value if o.ok else {"ok": False, "error": o.error})
     return {"init": init, "stats": stats, "error": error, "digests": digests, "trainers": trainers, "seconds": seconds}
 
 
@@ -443,7 +383,6 @@ def faults_scenario(rank: int, v1: str, v2: str, address: str, soak: int) -> dic
     """One TP=1 engine: ``soak`` refits in a row (resources sampled), then
     trainer crashes mid-transfer in default and in atomic mode, each
     followed by a successful refit, without restarting the engine."""
-    import multiprocessing as mp
 
     from reshard.adapters.vllm.driver import init_workers, pull_workers
     from tests import procs
@@ -452,37 +391,28 @@ def faults_scenario(rank: int, v1: str, v2: str, address: str, soak: int) -> dic
         "fresh_v1": procs.check(procs.run(fresh_greedy, 1, v1, timeout=300))[0],
         "fresh_v2": procs.check(procs.run(fresh_greedy, 1, v2, timeout=300))[0],
     }
-    ctx = mp.get_context("spawn")
     llm = make_llm(v1, 1)
 
     def trainer(paths, first, generation, **kw):
-        q = ctx.Queue()
-        p = ctx.Process(
-            target=procs._entry,
-            args=(plain_trainer, 0, (address, paths, 1, first, generation, *kw.values()), q),
-            daemon=True,
-        )
-        p.start()
-        return p, q
+        return procs.spawn(plain_trainer, 0, address, paths, 1, first, generation, *kw.values())
 
     def status(llm) -> dict[str, Any]:
-        return llm.collective_rpc("reshard_status")[0]
+        return flat(llm.collective_rpc("reshard_status"))[0]
 
     try:
         # 1. soak: refits 1..soak alternate v2, v1, ...; one trainer process.
         init_workers(llm, {"address": address, "num_sources": 1, "num_destinations": 1, "timeout_s": 60})
         paths = [v2 if i % 2 else v1 for i in range(1, soak + 1)]
-        p, q = trainer(paths, 1, 0)
+        p = trainer(paths, 1, 0)
         samples: dict[int, dict[str, int]] = {}
         peaks = []
         for i in range(1, soak + 1):
-            (st,) = pull_workers(llm, i)
+            (st,) = flat(pull_workers(llm, i))
             peaks.append(st["peak_staging_bytes"])
             # (Not after the last refit: the trainer is hanging up then.)
             if i in (10, soak // 2, soak - 1):
                 samples[i] = _resources()
-        p.join(timeout=60)
-        out["soak"] = {"samples": samples, "peaks": peaks, "trainer": q.get(timeout=10)}
+        out["soak"] = {"samples": samples, "peaks": peaks, "trainer": p.outcome(60).value}
         llm.reset_prefix_cache()
         out["soak_tokens"] = greedy(llm)  # the last refit sent paths[-1]
         out["soak_last"] = paths[-1]
@@ -503,7 +433,7 @@ def faults_scenario(rank: int, v1: str, v2: str, address: str, soak: int) -> dic
             before = greedy(llm)
             target = v1 if out["soak_last"] == v2 else v2
             refit += 1
-            p, q = trainer([target], refit, gen, budget_bytes=small, die_after_round=20)
+            p = trainer([target], refit, gen, budget_bytes=small, die_after_round=20)
             t0 = time.monotonic()
             try:
                 pull_workers(llm, refit)
@@ -511,15 +441,15 @@ def faults_scenario(rank: int, v1: str, v2: str, address: str, soak: int) -> dic
             except Exception as e:
                 error = str(e)
             seconds = time.monotonic() - t0
-            p.join(timeout=60)
+            exitcode = p.outcome(60).exitcode
             llm.reset_prefix_cache()
-            crashed = {"error": error, "seconds": seconds, "status": status(llm), "exitcode": p.exitcode}
+            crashed = {"error": error, "seconds": seconds, "status": status(llm), "exitcode": exitcode}
             crashed["same_as_before"] = greedy(llm) == before
             # the next refit, after rebuilding the group (a new generation), succeeds
             init_workers(llm, {**cfg, "generation": gen + 1})
             refit += 1
-            p, q = trainer([target], refit, gen + 1, budget_bytes=small)
-            (st,) = pull_workers(llm, refit)
+            p = trainer([target], refit, gen + 1, budget_bytes=small)
+            (st,) = flat(pull_workers(llm, refit))
             p.join(timeout=60)
             llm.reset_prefix_cache()
             out[key] = {
@@ -557,6 +487,8 @@ class VllmServer:
     def __init__(self, path: str, *, tp: int, log: str, dtype: str = "bfloat16", args: list[str] | None = None) -> None:
         import subprocess
         import sys
+
+        from tests.procs import free_port
 
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -628,12 +560,6 @@ class VllmServer:
         self._log.close()
 
 
-def free_port() -> int:
-    from tests.procs import free_port as fp
-
-    return fp()
-
-
 def weight_sync_trainer(
     rank: int, url: str, store_port: int, pg_port: int, world: int, tp: int, steps: list[tuple[str, str]]
 ) -> dict[str, Any]:
@@ -641,33 +567,21 @@ def weight_sync_trainer(
     each step ``(checkpoint, mutate)`` attached with vLLM's own
     ``WeightTransferTrainerFactory.trainer_init(..., client=HTTPVLLMWeightSyncClient(url))``
     and sent with ``send_weights()``. Rank 0 reads the server's greedy tokens after each step."""
-    import torch
     import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-    from transformers import AutoModelForCausalLM
     from vllm.distributed.weight_transfer.base import ModuleSource
     from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
     from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
     from reshard.adapters.vllm.backend import ReshardTrainerInitInfo
+    from tests.trainers import fsdp2_model
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(pg_port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
     out: dict[str, Any] = {"steps": []}
     try:
         import vllm.plugins
 
         out["plugins_loaded"] = bool(getattr(vllm.plugins, "plugins_loaded", False))
-        mesh = init_device_mesh("cpu", (world,))
         for g, (path, mutate) in enumerate(steps):
-            model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
-            if mutate == "shape":
-                w = model.model.norm.weight
-                model.model.norm.weight = torch.nn.Parameter(torch.zeros(w.shape[0] + 1, dtype=w.dtype))
-            for layer in model.model.layers:
-                fully_shard(layer, mesh=mesh)
-            fully_shard(model, mesh=mesh)
+            model = fsdp2_model(rank, world, pg_port, path, dtype="bfloat16", mutate=mutate)
             info = ReshardTrainerInitInfo(
                 rank=rank,
                 address=f"127.0.0.1:{store_port}",
@@ -696,7 +610,8 @@ def weight_sync_trainer(
             dist.barrier()
             out["steps"].append(step)
     finally:
-        dist.destroy_process_group()
+        if dist.is_initialized():
+            dist.destroy_process_group()
     return out
 
 

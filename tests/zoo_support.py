@@ -47,41 +47,15 @@ def build_zoo(root: str) -> dict[str, tuple[str, str]]:
 # -- trainer ranks -----------------------------------------------------------------
 
 
-def _decoder_layers(model):
-    """The model's list of decoder layers (``model.layers``, ``transformer.h``)."""
-    import torch
-
-    best = None
-    for mod in model.modules():
-        if isinstance(mod, torch.nn.ModuleList) and len(mod) == model.config.num_hidden_layers:
-            best = mod
-            break
-    if best is None:
-        raise ValueError(f"no decoder layer list in {type(model).__name__}")
-    return best
-
-
 def trainer_push(
     rank: int, world: int, pg_port: int, path: str, address: str, num_destinations: int, generation: int, refit: int
 ) -> dict[str, Any]:
     """One FSDP2 trainer rank: ``path`` in bf16, each decoder layer and the
     root ``fully_shard``-ed over ``world`` ranks, pushed as refit ``refit``."""
-    import torch
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-    from transformers import AutoModelForCausalLM
-
     from reshard import GroupConfig, Sender
+    from tests.trainers import fsdp2_model
 
-    if not dist.is_initialized():
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(pg_port))
-        dist.init_process_group("gloo", rank=rank, world_size=world)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
-    mesh = init_device_mesh("cpu", (world,))
-    for layer in _decoder_layers(model):
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+    model = fsdp2_model(rank, world, pg_port, path, dtype="bfloat16")
     cfg = GroupConfig(
         address=address,
         num_sources=world,
@@ -120,14 +94,15 @@ def engine_greedy(rank: int) -> list[list[int]]:
 def engine_pull(rank: int, config: dict[str, Any], refit: int, capture: bool) -> dict[str, Any]:
     """Join the refit group ``config`` and pull refit ``refit`` on every worker."""
     from reshard.adapters.vllm.driver import init_workers, pull_workers
+    from tests.vllm_support import flat
 
     llm = _state["llm"]
     t0 = time.monotonic()
-    init = init_workers(llm, config)
+    init = flat(init_workers(llm, config))
     if capture:
         llm.collective_rpc("capture_begin")
     try:
-        stats = pull_workers(llm, refit)
+        stats = flat(pull_workers(llm, refit))
         error = None
     except Exception as e:
         stats, error = None, str(e)

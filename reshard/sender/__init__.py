@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from reshard.plan.layout import Layout
 from reshard.plan.specs import GridSpec, PieceSpec, build_layout
@@ -120,7 +120,8 @@ class Sender:
             device = next(iter(tensors.values())).device if tensors else "cpu"
         self.rank = rank
         self.layout = layout
-        self.engine_stats: list[dict] = []
+        self.engine_stats: list[Any] = []
+        """Every engine worker's reply to the last ``push(engines=...)``."""
         self._engines_ready: set[int] = set()
         self.session = RefitSession(
             config,

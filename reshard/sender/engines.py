@@ -27,8 +27,11 @@ class Engines(Protocol):
         ``config.num_destinations``."""
         ...
 
-    def refit(self, refit: int, *, method: str = "reshard") -> list[dict[str, Any]]:
+    def refit(self, refit: int, *, method: str = "reshard") -> list[Any]:
         """Pull refit ``refit`` into every engine (blocking until done), with
-        generation paused and caches flushed; returns per-worker stats.
-        Raises :class:`reshard.RefitError` if any worker failed."""
+        generation paused and caches flushed; returns every worker's reply
+        (:class:`reshard.adapters.core.replies.WorkerReply`: ``ok``, ``rank``,
+        ``stats``). Raises :class:`reshard.RefitError` if any worker failed
+        (:class:`reshard.errors.MixedWeightsError` if weights now mix old and
+        new)."""
         ...

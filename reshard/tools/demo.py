@@ -35,17 +35,32 @@ MODEL = dict(
     intermediate_size=1536,
     num_hidden_layers=4,
 )
-PROMPTS = [[5, 6, 7, 8, 9], [11, 12, 13, 4, 200, 31]]
-MAX_TOKENS = 12
+_TERMINAL = [sys.stdout]
+"""Where the steps and the table go; everything else (vLLM's, torch's and
+the trainer's own output, from every process) goes to the log file."""
 
 
 def _say(msg: str) -> None:
-    print(msg, flush=True)
+    print(msg, file=_TERMINAL[0], flush=True)
+
+
+def _quiet_to(log: Path) -> None:
+    """Send this process's stdout and stderr (file descriptors 1 and 2, which
+    child processes inherit) to ``log``; :func:`_say` keeps the terminal."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    _TERMINAL[0] = os.fdopen(os.dup(1), "w", buffering=1)
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
 
 
 def _toy_batch(rank: int, world: int, vocab: int):
     """Teach the model to continue each prompt with a fixed phrase."""
     import torch
+
+    from reshard.testing.engines import PROMPTS
 
     g = torch.Generator().manual_seed(1234)
     phrase = torch.randint(100, vocab, (24,), generator=g)
@@ -111,7 +126,7 @@ def _trainer(
                     st = sender.push(refit, method=method, engines=engines if rank == 0 else None)
                     seconds = time.perf_counter() - t0
                     if rank == 0:
-                        got = [w["bytes_received"] for w in sender.engine_stats]
+                        got = [w.stats["bytes_received"] for w in sender.engine_stats]
                         row[method] = {"seconds": seconds, "worker_bytes": got, "sent": st.exec.bytes_sent}
                 if step:
                     # The check (not part of a refit): the trainer's full weights.
@@ -141,47 +156,15 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _engine_env(tp: int) -> None:
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-    if tp == 1:
-        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    else:
-        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(i % (os.cpu_count() or 1)) for i in range(tp)))
-
-
-def _llm(path: str, tp: int):
-    from vllm import LLM
-
-    return LLM(
-        model=path,
-        dtype="float32",
-        enforce_eager=True,
-        max_model_len=128,
-        block_size=32,
-        max_num_seqs=4,
-        tensor_parallel_size=tp,
-        distributed_executor_backend="mp" if tp > 1 else None,
-        worker_extension_cls="reshard.adapters.vllm.ReshardWorkerExtension",
-        seed=0,
-    )
-
-
-def _greedy(llm) -> list[list[int]]:
-    from vllm import SamplingParams
-
-    sp = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
-    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], sp, use_tqdm=False)
-    return [list(o.outputs[0].token_ids) for o in outs]
-
-
 def _fresh(path: str, q) -> None:
     """A fresh TP=1 engine on ``path`` (its own process): greedy tokens."""
-    _engine_env(1)
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    llm = _llm(path, 1)
-    q.put(_greedy(llm))
-    del llm
+    from reshard.testing.engines import greedy, offline_llm, shutdown
+
+    llm = offline_llm(path, 1)
+    try:
+        q.put(greedy(llm))
+    finally:
+        shutdown(llm)
 
 
 def _mb(n: float) -> str:
@@ -194,6 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tp", type=int, default=2, help="the engine's tensor-parallel size")
     p.add_argument("--workdir", default=None, help="where the tiny model goes (default: a temporary folder)")
     p.add_argument("--json", default=None, help="also write the results to this file")
+    p.add_argument("--log", default=None, help="where vLLM's and torch's output goes (default: WORKDIR/demo.log)")
     args = p.parse_args(argv)
 
     import multiprocessing as mp
@@ -201,19 +185,23 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from reshard.adapters.vllm.driver import VllmEngines
+    from reshard.testing.engines import greedy, offline_llm
     from reshard.testing.tiny import build_tiny_model
 
     t_start = time.monotonic()
     work = Path(args.workdir or tempfile.mkdtemp(prefix="reshard-demo-"))
+    work.mkdir(parents=True, exist_ok=True)
+    log = Path(args.log or work / "demo.log")
+    _say(f"reshard demo: vLLM's and torch's output goes to {log}")
+    _quiet_to(log)
     _say(f"[1/5] building a tiny Qwen2-style model in {work} ...")
     ckpt = build_tiny_model(work / "start", "qwen2", seed=0, **MODEL)
     n_bytes = sum(f.stat().st_size for f in ckpt.glob("*.safetensors"))
     _say(f"      {_mb(n_bytes).strip()} of float32 weights")
 
     _say(f"[2/5] starting a vLLM engine (TP={args.tp}, CPU) on it ...")
-    _engine_env(args.tp)
-    llm = _llm(str(ckpt), args.tp)
-    before = _greedy(llm)
+    llm = offline_llm(str(ckpt), args.tp)
+    before = greedy(llm)
     _say(f"      greedy tokens before training: {before[0]}")
 
     _say("[3/5] starting the trainer: 2 ranks, FSDP2 on gloo (this process is rank 0) ...")
@@ -229,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def report(row: dict[str, Any], full: dict[str, Any]) -> None:
         rows.append(row)
-        row["tokens"] = _greedy(live["llm"])
+        row["tokens"] = greedy(live["llm"])
         row["fresh"] = _fresh_tokens(ctx, ckpt, full, work / f"step{row['step']}")
         gb, rs = row["gather_broadcast"], row["reshard"]
         _say(
@@ -247,7 +235,10 @@ def main(argv: list[str] | None = None) -> int:
     peer.join(timeout=120)
     live.clear()
     engines.engines.clear()
-    del llm  # shuts the engine down
+    from reshard.testing.engines import shutdown
+
+    shutdown(llm)
+    del llm
 
     _say("[5/5] summary")
     ok = bool(rows) and all(r["tokens"] == r["fresh"] for r in rows)

@@ -24,7 +24,7 @@ from reshard.plan.box import Box
 from reshard.plan.index import LayoutSet
 from reshard.plan.layout import Slot, TensorMeta
 from reshard.transport import wire
-from reshard.transport.execute import ExecStats, align, local_view
+from reshard.transport.execute import DEFAULT_BUDGET_BYTES, ExecStats, align, local_view
 
 if TYPE_CHECKING:
     import torch
@@ -34,7 +34,7 @@ if TYPE_CHECKING:
 
 __all__ = ["DEFAULT_BUCKET_BYTES", "gather_broadcast"]
 
-DEFAULT_BUCKET_BYTES = 256 << 20
+DEFAULT_BUCKET_BYTES = DEFAULT_BUDGET_BYTES
 
 
 @dataclass(frozen=True, slots=True)

@@ -50,6 +50,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "BIG_BYTES",
+    "DEFAULT_BUDGET_BYTES",
     "ExecStats",
     "Executor",
     "align",
@@ -62,6 +63,9 @@ __all__ = [
 
 BIG_BYTES = 1 << 20
 """Transfers at least this large travel as their own message."""
+
+DEFAULT_BUDGET_BYTES = 256 << 20
+"""Staging a rank may use for a refit unless it says otherwise."""
 
 _ALIGN = 64
 _GLOO_SOURCE = re.compile(r"\[[^\]]*\.cc:\d+\] ")
@@ -293,7 +297,7 @@ class Executor:
         *,
         sources: Mapping[str, torch.Tensor] | None = None,
         destinations: Mapping[str, torch.Tensor] | None = None,
-        budget_bytes: int = 256 << 20,
+        budget_bytes: int = DEFAULT_BUDGET_BYTES,
         big_bytes: int = BIG_BYTES,
         device: torch.device | str = "cpu",
         after_round: Callable[[int], None] | None = None,

@@ -47,7 +47,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from reshard.errors import MetadataError, RefitError, _span
+from reshard.errors import MetadataError, RefitError, span
 from reshard.transport import wire
 from reshard.transport.auth import JobKeys, job_keys
 
@@ -403,7 +403,7 @@ class RefitGroup:
                 by_value.setdefault(value(h), []).append(r)
             if len(by_value) > 1:
                 text = f"ranks disagree on {what}: " + "; ".join(
-                    f"{v} on rank(s) {_span(rs)}" for v, rs in by_value.items()
+                    f"{v} on rank(s) {span(rs)}" for v, rs in by_value.items()
                 )
                 raise RefitError("join", {self.rank: text}, agreed=True)
 
@@ -622,7 +622,7 @@ class RefitGroup:
             # Say what this rank was waiting for (a dead rank, usually).
             with contextlib.suppress(Exception):
                 late = [int(k.rsplit("/", 1)[1]) for k in keys if not self.store.check([k])]
-                who = f"rank {late[0]}" if len(late) == 1 else f"ranks {_span(late)}"
+                who = f"rank {late[0]}" if len(late) == 1 else f"ranks {span(late)}"
                 why = self.aborted(refit)
                 text = f"{e.errors[self.rank]} while waiting for {who} to report step {step!r}"
                 e.errors[self.rank] = text + (f"; the refit was aborted by {why}" if why else "")

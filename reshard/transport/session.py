@@ -32,7 +32,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from reshard.errors import MetadataError, PlanError, Problem, RefitError, _span
+from reshard.errors import MetadataError, PlanError, Problem, RefitError, span
 from reshard.plan.checks import check_locals
 from reshard.plan.index import LayoutSet, gc_paused
 from reshard.plan.items import RankPlan
@@ -41,15 +41,14 @@ from reshard.plan.planner import Planner
 from reshard.plan.rounds import DEFAULT_ROUND_BYTES
 from reshard.transport import wire
 from reshard.transport.baseline import gather_broadcast
-from reshard.transport.execute import BIG_BYTES, ExecStats, Executor, link_summary, staging_need
+from reshard.transport.execute import BIG_BYTES, DEFAULT_BUDGET_BYTES, ExecStats, Executor, link_summary, staging_need
 from reshard.transport.group import ABORT_GRACE_S, EpochMoved, GroupConfig, RefitGroup
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["ABORT_GRACE_S", "RefitSession", "RefitStats"]
+__all__ = ["ABORT_GRACE_S", "DEFAULT_BUDGET_BYTES", "RefitSession", "RefitStats"]
 
-DEFAULT_BUDGET_BYTES = 256 << 20
 _PLAN_ATTEMPTS = 8
 """Times a refit shrinks its rounds to fit every rank's staging budget."""
 _REJOINS = 4
@@ -260,14 +259,14 @@ class RefitSession:
             numbers.setdefault(s.refit, []).append(s.rank)
         if len(numbers) > 1:
             text = "ranks disagree on the refit number: " + "; ".join(
-                f"refit {n} on rank(s) {_span(rs)}" for n, rs in sorted(numbers.items())
+                f"refit {n} on rank(s) {span(rs)}" for n, rs in sorted(numbers.items())
             )
             raise RefitError("version", dict.fromkeys(range(self.config.world_size), text), agreed=True)
         newest = max(s.last_refit for s in statuses)
         if refit <= newest:
             holders = [s.rank for s in statuses if s.last_refit == newest]
             text = (
-                f"refit {refit} is stale or replayed: refit {newest} already succeeded on rank(s) {_span(holders)}; "
+                f"refit {refit} is stale or replayed: refit {newest} already succeeded on rank(s) {span(holders)}; "
                 "refit numbers must strictly increase (nothing was sent)"
             )
             raise RefitError("version", dict.fromkeys(holders, text), version=refit, agreed=True)

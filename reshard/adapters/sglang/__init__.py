@@ -7,6 +7,7 @@ rank 0, ``sender.push(n, engines=SglangEngines(["http://engine:30000"]))``
 while the other trainer ranks call ``sender.push(n)``. See ``docs/sglang.md``.
 """
 
-from reshard.adapters.sglang.driver import HOOK, MixedWeightsError, SglangEngine, SglangEngines
+from reshard.adapters.sglang.driver import HOOK, SglangEngine, SglangEngines
+from reshard.errors import MixedWeightsError
 
 __all__ = ["HOOK", "MixedWeightsError", "SglangEngine", "SglangEngines"]

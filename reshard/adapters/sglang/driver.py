@@ -39,45 +39,21 @@ import uuid
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from reshard.adapters.core.fanout import fan_out
+from reshard.adapters.core.replies import WorkerReply
+from reshard.adapters.core.spec import GroupSpec
 from reshard.adapters.sglang import protocol
-from reshard.adapters.sglang.protocol import Command, GroupSpec, Reply
-from reshard.errors import RefitError, ReshardError
+from reshard.adapters.sglang.protocol import Command
+from reshard.errors import MixedWeightsError, RefitError, ReshardError
+from reshard.transport.session import DEFAULT_BUDGET_BYTES
 
 if TYPE_CHECKING:
     from reshard.transport.group import GroupConfig
 
-__all__ = ["HOOK", "MixedWeightsError", "SglangEngine", "SglangEngines", "group_spec"]
+__all__ = ["HOOK", "SglangEngine", "SglangEngines"]
 
 HOOK = "reshard.adapters.sglang.hook.load"
 """The custom weight loader to register: ``--custom-weight-loader reshard.adapters.sglang.hook.load``."""
-
-
-class MixedWeightsError(RefitError):
-    """A refit failed after bytes landed in the engine: its weights mix old
-    and new values. The driver left generation paused (``paused``); a
-    successful refit (with a new ``generation``) or :meth:`SglangEngine.resume`
-    ends the pause."""
-
-    paused: bool = True
-
-
-_PER_RANK = frozenset({"token", "host_store", "store_bind", "domain"})
-
-
-def group_spec(config: GroupConfig, *, engine_offset: int = 0, budget_bytes: int = 256 << 20) -> GroupSpec:
-    """The wire form of ``config`` for the workers of one engine: every
-    field but the per-rank ones and the token (see :class:`GroupSpec`)."""
-    import dataclasses
-
-    fields = {}
-    for f in dataclasses.fields(config):
-        value = getattr(config, f.name)
-        if f.name in _PER_RANK or value == f.default:
-            continue
-        if value is not None and not isinstance(value, str | int | float | bool):
-            raise TypeError(f"GroupConfig.{f.name} = {value!r} cannot be sent to SGLang workers")
-        fields[f.name] = value
-    return GroupSpec(config=fields, engine_offset=engine_offset, budget_bytes=budget_bytes)
 
 
 def command_payload(cmd: Command) -> str:
@@ -102,7 +78,7 @@ class SglangEngine:
         engine_offset: int = 0,
         tp_size: int | None = None,
         api_key: str | None = None,
-        budget_bytes: int = 256 << 20,
+        budget_bytes: int = DEFAULT_BUDGET_BYTES,
     ) -> None:
         """``engine_offset``: refit ranks of this engine's workers start at
         ``num_sources + engine_offset`` (several engines share one refit
@@ -113,7 +89,7 @@ class SglangEngine:
         self.budget_bytes = budget_bytes
         self._tp_size = tp_size
         self.paused = False
-        self.last_replies: list[Reply] = []
+        self.last_replies: list[WorkerReply] = []
 
     # -- HTTP --------------------------------------------------------------------
 
@@ -174,29 +150,31 @@ class SglangEngine:
         method: str = "reshard",
         pause: str | None = "retract",
         flush_cache: bool = True,
-    ) -> list[Reply]:
+    ) -> list[WorkerReply]:
         """Refit ``refit`` of every worker of this engine (see the module
         docstring). ``pause``: ``retract``, ``abort``, ``in_place`` or
         ``None`` (then the update waits for in-flight requests to finish).
-        Returns every worker's :class:`Reply`; raises :class:`RefitError`
+        Returns every worker's :class:`~reshard.adapters.core.replies.WorkerReply`; raises :class:`RefitError`
         (weights unchanged) or :class:`MixedWeightsError`."""
-        spec = group_spec(config, engine_offset=self.engine_offset, budget_bytes=self.budget_bytes)
+        spec = GroupSpec.of(config, engine_offset=self.engine_offset, budget_bytes=self.budget_bytes)
         cmd = Command(op="pull", id=uuid.uuid4().hex, group=spec, refit=refit, method=method)
         return self._run(cmd, pause, flush_cache)
 
-    def refit_async(self, refit: int, config: GroupConfig, **kwargs: Any) -> concurrent.futures.Future[list[Reply]]:
+    def refit_async(
+        self, refit: int, config: GroupConfig, **kwargs: Any
+    ) -> concurrent.futures.Future[list[WorkerReply]]:
         """:meth:`refit` in a background thread."""
         pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="reshard-sglang")
         fut = pool.submit(self.refit, refit, config, **kwargs)
         pool.shutdown(wait=False)
         return fut
 
-    def close(self, config: GroupConfig) -> list[Reply]:
+    def close(self, config: GroupConfig) -> list[WorkerReply]:
         """Make every worker leave the refit group (a session of its own)."""
-        spec = group_spec(config, engine_offset=self.engine_offset, budget_bytes=self.budget_bytes)
+        spec = GroupSpec.of(config, engine_offset=self.engine_offset, budget_bytes=self.budget_bytes)
         return self._run(Command(op="close", id=uuid.uuid4().hex, group=spec), None, False)
 
-    def _run(self, cmd: Command, pause: str | None, flush_cache: bool) -> list[Reply]:
+    def _run(self, cmd: Command, pause: str | None, flush_cache: bool) -> list[WorkerReply]:
         tp = self.tp_size
         spec = cmd.group
         if pause:
@@ -247,13 +225,13 @@ class SglangEngine:
             errors.update(r.errors or {r.rank: r.error})
         have = {r.rank for r in replies}
         for t in range(tp):
-            rank = spec.num_sources + spec.engine_offset + t
+            rank = spec.rank_of(t)
             if rank not in have:
                 errors[rank] = f"TP worker {t} posted no reply (SGLang: {http_error or 'no error'})"
         if http_error and not errors:
-            errors[spec.num_sources + spec.engine_offset] = f"update_weights_from_tensor: {http_error}"
+            errors[spec.rank_of(0)] = f"update_weights_from_tensor: {http_error}"
         if not ok_end:
-            errors.setdefault(spec.num_sources + spec.engine_offset, f"end_weight_update: {msg_end}")
+            errors.setdefault(spec.rank_of(0), f"end_weight_update: {msg_end}")
         if mixed:
             err = MixedWeightsError(step, errors, version=cmd.refit or None)
             err.paused = bool(pause)
@@ -262,7 +240,7 @@ class SglangEngine:
             self.resume()
         raise RefitError(step, errors, version=cmd.refit or None)
 
-    def _replies(self, cmd: Command, tp: int, *, wait_s: float) -> list[Reply]:
+    def _replies(self, cmd: Command, tp: int, *, wait_s: float) -> list[WorkerReply]:
         from torch.distributed import PrefixStore, TCPStore
 
         spec = cmd.group
@@ -280,7 +258,7 @@ class SglangEngine:
         except Exception as e:
             raise ReshardError(f"cannot reach the refit store at {spec.address} to read the replies: {e}") from e
         store = PrefixStore(protocol.reply_prefix(spec.job), tcp)
-        keys = [protocol.reply_key(cmd.id, spec.num_sources + spec.engine_offset + t) for t in range(tp)]
+        keys = [protocol.reply_key(cmd.id, spec.rank_of(t)) for t in range(tp)]
         deadline = time.monotonic() + wait_s
         while not store.check(keys) and time.monotonic() < deadline:
             time.sleep(0.02)
@@ -304,7 +282,7 @@ class SglangEngines:
         *,
         pause: str | None = "retract",
         api_key: str | None = None,
-        budget_bytes: int = 256 << 20,
+        budget_bytes: int = DEFAULT_BUDGET_BYTES,
     ) -> None:
         urls = [urls] if isinstance(urls, str) else list(urls)
         self.engines = [SglangEngine(u, api_key=api_key, budget_bytes=budget_bytes) for u in urls]
@@ -327,18 +305,11 @@ class SglangEngines:
             )
         self.config = config
 
-    def refit(self, refit: int, *, method: str = "reshard") -> list[dict[str, Any]]:
-        import msgspec
-
+    def refit(self, refit: int, *, method: str = "reshard") -> list[WorkerReply]:
         if self.config is None:
             raise ReshardError("call init(config) before refit")
         config = self.config
-        with concurrent.futures.ThreadPoolExecutor(len(self.engines), thread_name_prefix="reshard-sglang") as pool:
-            futures = [pool.submit(e.refit, refit, config, method=method, pause=self.pause) for e in self.engines]
-            concurrent.futures.wait(futures)
-        errors = [f.exception() for f in futures if f.exception() is not None]
-        if errors:
-            # A server left paused with mixed weights is the one to report first.
-            mixed = [e for e in errors if isinstance(e, MixedWeightsError)]
-            raise (mixed or errors)[0]  # type: ignore[misc]
-        return [msgspec.structs.asdict(r) for f in futures for r in f.result()]
+        replies = fan_out(
+            self.engines, lambda e: e.refit(refit, config, method=method, pause=self.pause), name="reshard-sglang"
+        )
+        return [r for rs in replies for r in rs]

@@ -12,7 +12,7 @@ Rules this module keeps:
 - it never raises: an exception in a custom loader kills SGLang's scheduler
   (and, through SIGQUIT, the process that owns the engine), and SGLang
   ignores the loader's return value; every outcome is posted as a
-  :class:`~reshard.adapters.sglang.protocol.Reply` to the refit store;
+  :class:`~reshard.adapters.core.replies.WorkerReply` to the refit store;
 - a worker that cannot take part (its layout cannot be learned) still joins
   the refit group and fails the ``plan`` step, so the trainer ranks raise at
   once instead of timing out, and no byte moves;
@@ -29,14 +29,15 @@ import time
 import traceback
 from typing import TYPE_CHECKING, Any
 
+from reshard.adapters.core.replies import WorkerReply, failure
+from reshard.adapters.core.spec import GroupSpec
 from reshard.adapters.sglang import protocol
-from reshard.adapters.sglang.protocol import Command, GroupSpec, Reply
+from reshard.adapters.sglang.protocol import Command
 
 if TYPE_CHECKING:
     import torch
 
     from reshard.adapters.sglang.receiver import SglangReceiver
-    from reshard.transport.group import GroupConfig
 
 __all__ = ["load"]
 
@@ -70,8 +71,8 @@ def load(model: torch.nn.Module, named_tensors: list[tuple[str, Any]]) -> None:
                 tp_rank = _parallel()[0]
             except Exception:
                 tp_rank = 0
-            rank = cmd.group.num_sources + cmd.group.engine_offset + tp_rank
-            reply = Reply(id=cmd.id, rank=rank, tp_rank=tp_rank, ok=False, error=f"{type(e).__name__}: {e}")
+            rank = cmd.group.rank_of(tp_rank)
+            reply = failure(e, rank=rank, id=cmd.id, tp_rank=tp_rank)
         _post(cmd.group, reply)
 
 
@@ -82,33 +83,17 @@ def _parallel() -> tuple[int, int, int]:
     return int(p.tp_rank), int(p.tp_size), int(getattr(p, "pp_size", 1) or 1)
 
 
-def group_config(spec: GroupSpec) -> GroupConfig:
-    from reshard.transport.group import GroupConfig
-
-    return GroupConfig(**spec.config, host_store=False)  # type: ignore[arg-type]
-
-
-def _run(model, cmd: Command) -> Reply:
+def _run(model, cmd: Command) -> WorkerReply:
     tp_rank, _tp_size, pp_size = _parallel()
-    rank = cmd.group.num_sources + cmd.group.engine_offset + tp_rank
+    rank = cmd.group.rank_of(tp_rank)
 
-    def fail(e: BaseException, *, mixed: bool = False) -> Reply:
-        errors = getattr(e, "errors", None)
+    def fail(e: BaseException, *, mixed: bool = False) -> WorkerReply:
         logger.error("reshard: %s of refit %d failed on refit rank %d: %s", cmd.op, cmd.refit, rank, e)
-        return Reply(
-            id=cmd.id,
-            rank=rank,
-            tp_rank=tp_rank,
-            ok=False,
-            error=str(e),
-            step=getattr(e, "step", None),
-            errors={int(k): str(v) for k, v in errors.items()} if errors else None,
-            mixed=mixed,
-        )
+        return failure(e, rank=rank, mixed=mixed, id=cmd.id, tp_rank=tp_rank)
 
     if cmd.op == "close":
         _close()
-        return Reply(id=cmd.id, rank=rank, tp_rank=tp_rank, ok=True)
+        return WorkerReply(id=cmd.id, rank=rank, tp_rank=tp_rank, ok=True)
     if cmd.op != "pull":
         return fail(ValueError(f"unknown reshard command {cmd.op!r}"))
     try:
@@ -127,7 +112,7 @@ def _run(model, cmd: Command) -> Reply:
         return fail(e, mixed=receiver.mixed)
     numbers = {k: float(v) for k, v in stats.items() if isinstance(v, int | float) and not isinstance(v, bool)}
     numbers["learn_seconds"] = _STATE.learn_seconds
-    return Reply(id=cmd.id, rank=rank, tp_rank=tp_rank, ok=True, stats=numbers)
+    return WorkerReply(id=cmd.id, rank=rank, tp_rank=tp_rank, ok=True, stats=numbers)
 
 
 def _receiver(model, spec: GroupSpec, rank: int, tp_rank: int) -> SglangReceiver:
@@ -143,7 +128,7 @@ def _receiver(model, spec: GroupSpec, rank: int, tp_rank: int) -> SglangReceiver
         st.learned_for = tp_rank
         st.learn_seconds = time.perf_counter() - t0
     st.receiver = SglangReceiver(
-        model, config=group_config(spec), rank=rank, learned=st.learned, budget_bytes=spec.budget_bytes
+        model, config=spec.config(), rank=rank, learned=st.learned, budget_bytes=spec.budget_bytes
     )
     st.group = spec
     return st.receiver
@@ -181,7 +166,7 @@ def _refuse(cmd: Command, rank: int, message: str) -> None:
         receiver = Receiver(
             {"phantom": torch.zeros(1)},
             [PieceSpec(phantom, Box((0,), (1,)), "phantom", (1,))],
-            config=group_config(cmd.group),
+            config=cmd.group.config(),
             rank=rank,
         )
         try:
@@ -193,7 +178,7 @@ def _refuse(cmd: Command, rank: int, message: str) -> None:
         logger.error("reshard: could not report the failure to the refit group: %s", e)
 
 
-def _post(spec: GroupSpec, reply: Reply) -> None:
+def _post(spec: GroupSpec, reply: WorkerReply) -> None:
     """Post ``reply`` to the refit store (never raises)."""
     import msgspec
     from torch.distributed import PrefixStore, TCPStore

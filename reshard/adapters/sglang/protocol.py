@@ -8,7 +8,8 @@ returns. So:
   tensor: ``("reshard:" + json, torch.empty(0))``. SGLang's restricted
   unpickler accepts that payload, and an empty storage is pickled inline (no
   shared memory, no file descriptors), so it crosses machines and HTTP;
-- each worker posts a :class:`Reply` (msgspec JSON) to the refit group's
+- each worker posts a :class:`~reshard.adapters.core.replies.WorkerReply`
+  (msgspec JSON) to the refit group's
   TCPStore, under ``reshard/<job>/sglang/<command id>/<refit rank>``, before
   its loader returns; the driver reads them once the HTTP call has returned.
 """
@@ -17,38 +18,12 @@ from __future__ import annotations
 
 import msgspec
 
-__all__ = ["PREFIX", "Command", "GroupSpec", "Reply", "decode_command", "encode_command", "reply_key"]
+from reshard.adapters.core.replies import WorkerReply
+from reshard.adapters.core.spec import GroupSpec
+
+__all__ = ["PREFIX", "Command", "decode_command", "encode_command", "reply_decoder", "reply_key", "reply_prefix"]
 
 PREFIX = "reshard:"
-
-
-class GroupSpec(msgspec.Struct, frozen=True, kw_only=True):
-    """The refit group as an engine's workers join it."""
-
-    config: dict[str, str | int | float | bool | None]
-    """:class:`reshard.GroupConfig` fields, without the per-rank ones
-    (``host_store``, ``store_bind``, ``domain``) and without the job token,
-    which never travels over HTTP: workers read ``$RESHARD_TOKEN`` from the
-    server's environment."""
-    engine_offset: int = 0
-    """Refit ranks of this engine's workers start at ``num_sources + engine_offset``."""
-    budget_bytes: int = 256 << 20
-
-    @property
-    def address(self) -> str:
-        return str(self.config["address"])
-
-    @property
-    def job(self) -> str:
-        return str(self.config.get("job", "reshard"))
-
-    @property
-    def num_sources(self) -> int:
-        return int(self.config["num_sources"])  # type: ignore[arg-type]
-
-    @property
-    def timeout_s(self) -> float:
-        return float(self.config.get("timeout_s", 300.0))  # type: ignore[arg-type]
 
 
 class Command(msgspec.Struct, frozen=True, kw_only=True):
@@ -61,24 +36,8 @@ class Command(msgspec.Struct, frozen=True, kw_only=True):
     method: str = "reshard"
 
 
-class Reply(msgspec.Struct, frozen=True, kw_only=True):
-    version: int = 1
-    id: str
-    rank: int
-    """This worker's refit rank."""
-    tp_rank: int
-    ok: bool
-    error: str = ""
-    step: str | None = None
-    errors: dict[int, str] | None = None
-    """Per refit rank, when the error is a :class:`reshard.RefitError`."""
-    mixed: bool = False
-    """The refit failed after bytes landed: the weights mix old and new."""
-    stats: dict[str, float] = msgspec.field(default_factory=dict)
-
-
 _command_decoder = msgspec.json.Decoder(Command)
-reply_decoder = msgspec.json.Decoder(Reply)
+reply_decoder = msgspec.json.Decoder(WorkerReply)
 
 
 def encode_command(cmd: Command) -> str:

@@ -24,13 +24,15 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Any
 
-from reshard.adapters.sglang.layout import LearnedLayout, canonical_tensors_of, learn_layout
+from reshard.adapters.core.recording import LearnedLayout
+from reshard.adapters.sglang.layout import canonical_tensors_of, learn_layout
 from reshard.errors import ReshardError
 from reshard.plan.items import RankPlan
 from reshard.plan.layout import TensorMeta, dtype_size
 from reshard.plan.specs import build_layout
 from reshard.receiver import Receiver
 from reshard.transport.group import GroupConfig
+from reshard.transport.session import DEFAULT_BUDGET_BYTES
 
 if TYPE_CHECKING:
     import torch
@@ -43,11 +45,7 @@ def learn_checked(model: torch.nn.Module, tensors: list[TensorMeta] | None = Non
     incomplete (a refit would leave stale weights)."""
     metas = tensors if tensors is not None else canonical_tensors_of(model)
     learned = learn_layout(model, metas)
-    problems = [f"cannot follow this loader: {u}" for u in learned.unsupported]
-    problems += [
-        f"parameter {n!r}: {k} loadable elements are written by no checkpoint tensor"
-        for n, k in learned.uncovered.items()
-    ]
+    problems = learned.problems()
     if not learned.pieces:
         problems.append("SGLang's load_weights wrote no checkpoint tensor into any parameter")
     if problems:
@@ -70,7 +68,7 @@ class SglangReceiver:
         learned: LearnedLayout | None = None,
         tensors: list[TensorMeta] | None = None,
         device: torch.device | str | None = None,
-        budget_bytes: int = 256 << 20,
+        budget_bytes: int = DEFAULT_BUDGET_BYTES,
     ) -> None:
         """``rank``: this worker's refit rank. ``learned``: a layout learned
         before (it depends on the model and the TP rank only)."""

@@ -40,6 +40,7 @@ import threading
 from dataclasses import asdict, dataclass, field
 from typing import Any, ClassVar
 
+import msgspec
 from vllm.distributed.weight_transfer.base import (
     TrainerInitInfo,
     TrainerWeightTransferEngine,
@@ -50,7 +51,10 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateRequest,
 )
 
+from reshard.adapters.core.spec import GroupSpec
 from reshard.errors import ReshardError
+from reshard.transport.session import DEFAULT_BUDGET_BYTES
+from reshard.transport.wire import MAX_MESSAGE_BYTES
 
 __all__ = [
     "ReshardEngine",
@@ -64,17 +68,26 @@ __all__ = [
 
 @dataclass
 class ReshardInitInfo(WeightTransferInitInfo):
+    """The worker side's init info: the fields of
+    :class:`reshard.adapters.core.spec.GroupSpec` but the job token (workers
+    read ``$RESHARD_TOKEN`` from their own environment)."""
+
     address: str
     num_sources: int
     num_destinations: int
     job: str = "reshard"
     generation: int = 0
-    engine_offset: int = 0
     timeout_s: float = 300.0
-    budget_bytes: int = 256 << 20
-    domain: str | None = None
-    atomic: bool = False
+    backend: str = "auto"
     checksums: bool = False
+    max_metadata_bytes: int = MAX_MESSAGE_BYTES
+    domain: str | None = None
+    engine_offset: int = 0
+    budget_bytes: int = DEFAULT_BUDGET_BYTES
+    atomic: bool = False
+
+    def spec(self) -> GroupSpec:
+        return GroupSpec.parse(asdict(self))
 
 
 @dataclass
@@ -99,29 +112,18 @@ class ReshardEngine(WeightTransferEngine[ReshardInitInfo, ReshardUpdateInfo]):
         import torch.distributed as dist
 
         from reshard.adapters.vllm.receiver import VllmReceiver
-        from reshard.transport.group import GroupConfig
 
         self.shutdown()
-        cfg = GroupConfig(
-            address=init_info.address,
-            num_sources=init_info.num_sources,
-            num_destinations=init_info.num_destinations,
-            job=init_info.job,
-            generation=init_info.generation,
-            timeout_s=init_info.timeout_s,
-            domain=init_info.domain,
-            checksums=init_info.checksums,
-            host_store=False,
-        )
+        spec = init_info.spec()
         worker_rank = dist.get_rank() if dist.is_initialized() else 0
         self.receiver = VllmReceiver(
             self.model,
             self.model_config,
-            config=cfg,
-            rank=init_info.num_sources + init_info.engine_offset + worker_rank,
+            config=spec.config(),
+            rank=spec.rank_of(worker_rank),
             device=self.device,
-            budget_bytes=init_info.budget_bytes,
-            atomic=init_info.atomic,
+            budget_bytes=spec.budget_bytes,
+            atomic=spec.atomic,
             vllm_config=self.vllm_config,
         )
 
@@ -317,18 +319,8 @@ class ReshardTrainerEngine(TrainerWeightTransferEngine[ReshardTrainerInitInfo]):
         self.sender = Sender(module, config=cfg, rank=init_info.rank)
         self.refits = 0
         if self.is_sender:
-            worker = asdict(
-                ReshardInitInfo(
-                    address=init_info.address,
-                    num_sources=init_info.num_sources,
-                    num_destinations=init_info.num_destinations,
-                    job=init_info.job,
-                    generation=init_info.generation,
-                    timeout_s=init_info.timeout_s,
-                    checksums=init_info.checksums,
-                    **init_info.worker_init,
-                )
-            )
+            spec = GroupSpec.of(cfg, **init_info.worker_init)
+            worker = {k: v for k, v in msgspec.to_builtins(spec).items() if k not in ("token", "version")}
             # The store lives in this process; create it before the workers dial in.
             serve_store(cfg)
             self.client.init_weight_transfer_engine(worker)

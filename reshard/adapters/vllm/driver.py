@@ -15,45 +15,41 @@ when any worker failed.
 from __future__ import annotations
 
 import json
-import threading
 import urllib.error
 import urllib.request
 from collections.abc import Sequence
-from dataclasses import asdict
 from typing import Any
 
-from reshard.errors import RefitError, ReshardError
+from reshard.adapters.core.fanout import fan_out
+from reshard.adapters.core.replies import WorkerReply, raise_for_replies
+from reshard.adapters.core.spec import GroupSpec
+from reshard.errors import MixedWeightsError, ReshardError
 from reshard.transport.group import GroupConfig
+from reshard.transport.session import DEFAULT_BUDGET_BYTES
 
 __all__ = ["HttpEngine", "VllmEngines", "init_workers", "pull_workers"]
 
 
-def _check(replies: list[dict[str, Any]], what: str) -> list[dict[str, Any]]:
-    bad = [r for r in replies if not r.get("ok")]
-    if not bad:
-        return replies
-    first = bad[0]
-    if first.get("step") and first.get("errors"):
-        errors: dict[int, str] = {}
-        for r in bad:
-            errors.update({int(k): v for k, v in (r.get("errors") or {}).items()})
-        raise RefitError(first["step"], errors)
-    raise ReshardError(f"{what} failed on {len(bad)} worker(s): " + "; ".join(r["error"] for r in bad))
+def init_workers(engine, spec: GroupSpec | dict[str, Any]) -> list[WorkerReply]:
+    """``reshard_init`` on every worker of ``engine``; returns their replies
+    (``stats``: pieces, kept bytes, ...)."""
+    spec = GroupSpec.parse(spec)
+    replies = [WorkerReply.parse(r) for r in engine.collective_rpc("reshard_init", args=(spec.to_json(),))]
+    raise_for_replies(replies, "reshard_init")
+    return replies
 
 
-def init_workers(engine, config: dict[str, Any]) -> list[dict[str, Any]]:
-    """``reshard_init`` on every worker of ``engine``; returns their summaries."""
-    return _check(engine.collective_rpc("reshard_init", args=(json.dumps(config),)), "reshard_init")
+def pull_workers(engine, refit: int, *, method: str = "reshard", atomic: bool | None = None) -> list[WorkerReply]:
+    """``reshard_pull`` on every worker (trainer ranks push at the same time);
+    raises one error if any worker failed."""
+    replies = _pull_replies(engine, refit, method, atomic)
+    raise_for_replies(replies, "reshard_pull", version=refit)
+    return replies
 
 
-def pull_workers(engine, refit: int, *, method: str = "reshard", atomic: bool | None = None) -> list[dict[str, Any]]:
-    """``reshard_pull`` on every worker (trainer ranks push at the same time)."""
-    return _check(_pull_replies(engine, refit, method, atomic), "reshard_pull")
-
-
-def _pull_replies(engine, refit: int, method: str, atomic: bool | None) -> list[dict[str, Any]]:
+def _pull_replies(engine, refit: int, method: str, atomic: bool | None) -> list[WorkerReply]:
     flag = "" if atomic is None else str(atomic).lower()
-    return engine.collective_rpc("reshard_pull", args=(str(refit), method, flag))
+    return [WorkerReply.parse(r) for r in engine.collective_rpc("reshard_pull", args=(str(refit), method, flag))]
 
 
 class HttpEngine:
@@ -120,14 +116,15 @@ class VllmEngines:
     Without ``atomic``, a refit that fails after some layers took their new
     weights leaves a worker *mixed*; a server with such a worker stays
     paused (it queues requests and generates nothing) until a refit
-    succeeds, and the error names the engine. :attr:`mixed` lists them."""
+    succeeds, and :class:`reshard.errors.MixedWeightsError` names the engine.
+    :attr:`mixed` lists them."""
 
     def __init__(
         self,
         engines: Sequence[Any],
         *,
         pause_mode: str = "wait",
-        budget_bytes: int | None = None,
+        budget_bytes: int = DEFAULT_BUDGET_BYTES,
         atomic: bool = False,
     ) -> None:
         if pause_mode not in ("wait", "keep", "abort"):
@@ -139,25 +136,25 @@ class VllmEngines:
         self.budget_bytes = budget_bytes
         self.atomic = atomic
         self.mixed: list[Any] = []
-        self.workers: list[list[dict[str, Any]]] = []
+        self.workers: list[list[WorkerReply]] = []
         self.config: GroupConfig | None = None
 
     def init(self, config: GroupConfig) -> None:
-        base = {k: v for k, v in asdict(config).items() if k not in ("host_store", "store_bind") and v is not None}
-        if self.budget_bytes is not None:
-            base["budget_bytes"] = self.budget_bytes
-        base["atomic"] = self.atomic
         self.workers = []
         offset = 0
         for e in self.engines:
-            cfg = {**base, "engine_offset": offset}
-            if isinstance(e, HttpEngine):
+            spec = GroupSpec.of(
+                config,
+                engine_offset=offset,
+                budget_bytes=self.budget_bytes,
+                atomic=self.atomic,
                 # The job token never travels over HTTP: servers read
                 # $RESHARD_TOKEN from their own environment.
-                cfg.pop("token", None)
-            summaries = init_workers(e, cfg)
-            self.workers.append(summaries)
-            offset += len(summaries)
+                with_token=not isinstance(e, HttpEngine),
+            )
+            replies = init_workers(e, spec)
+            self.workers.append(replies)
+            offset += len(replies)
         if offset != config.num_destinations:
             raise ReshardError(
                 f"the engines have {offset} workers ({', '.join(str(len(w)) for w in self.workers)} per engine) "
@@ -165,51 +162,39 @@ class VllmEngines:
             )
         self.config = config
 
-    def refit(self, refit: int, *, method: str = "reshard") -> list[dict[str, Any]]:
+    def refit(self, refit: int, *, method: str = "reshard") -> list[WorkerReply]:
         if self.config is None:
             raise RuntimeError("VllmEngines.init must run before a refit")
-        servers: list[HttpEngine] = []  # the ones paused so far
-        results: list[list[dict[str, Any]] | None] = [None] * len(self.engines)
-        errors: list[BaseException] = []
         mixed: list[Any] = []
-        try:
-            for e in self.engines:
-                if isinstance(e, HttpEngine):
-                    e.pause(self.pause_mode)
-                    servers.append(e)
 
-            def pull(i: int) -> None:
-                try:
-                    replies = _pull_replies(self.engines[i], refit, method, None)
-                    if any(r.get("mixed") for r in replies):
-                        mixed.append(self.engines[i])
-                    results[i] = _check(replies, "reshard_pull")
-                except BaseException as e:
-                    errors.append(e)
-
-            threads = [
-                threading.Thread(target=pull, args=(i,), name=f"reshard-pull-{i}", daemon=True)
-                for i in range(len(self.engines))
-            ]
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join()
-            # Cached prefixes were computed with the old weights (and, after a
-            # failed refit, the engine kept those weights: flushing is harmless).
-            for e in self.engines:
+        def one(e: Any) -> list[WorkerReply]:
+            server = isinstance(e, HttpEngine)
+            if server:
+                e.pause(self.pause_mode)
+            replies: list[WorkerReply] = []
+            try:
+                replies = _pull_replies(e, refit, method, None)
+                # Cached prefixes were computed with the old weights (and, after a
+                # failed refit, the engine kept those weights: flushing is harmless).
                 e.reset_prefix_cache()
+            finally:
+                if any(r.mixed for r in replies):
+                    mixed.append(e)
+                elif server:
+                    # A server whose weights are half old, half new stays paused.
+                    e.resume()
+            try:
+                raise_for_replies(replies, "reshard_pull", version=refit)
+            except MixedWeightsError as err:
+                err.paused = server
+                err.args = (
+                    f"{err.args[0]}\nengine {e!r} mixes old and new weights"
+                    + (" and stays paused until a refit succeeds" if server else ""),
+                )
+                raise
+            return replies
+
+        try:
+            return [r for replies in fan_out(self.engines, one, name="reshard-pull") for r in replies]
         finally:
             self.mixed = mixed
-            # A server whose weights are half old, half new stays paused.
-            for s in servers:
-                if s not in mixed:
-                    s.resume()
-        if errors:
-            if mixed:
-                raise ReshardError(
-                    f"refit {refit} failed after some layers took their new weights on {mixed}; "
-                    "servers among them stay paused until a refit succeeds"
-                ) from errors[0]
-            raise errors[0]
-        return [w for r in results for w in (r or [])]

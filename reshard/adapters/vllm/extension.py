@@ -5,54 +5,40 @@ An RL driver calls these methods on every worker with ``collective_rpc``
 Arguments are JSON strings or plain values, because the HTTP route passes
 strings only:
 
-- ``reshard_init(config)``: learn this worker's layout from vLLM's loaders;
-  ``config`` holds the refit group (``address``, ``num_sources``,
-  ``num_destinations``, optional ``job``, ``generation``, ``timeout_s``,
-  ``domain``, any other :class:`reshard.GroupConfig` field) and worker
-  options (``engine_offset``, ``budget_bytes``, ``atomic``). The worker's refit rank is
-  ``num_sources + engine_offset + worker rank``. Returns a summary.
+- ``reshard_init(spec)``: learn this worker's layout from vLLM's loaders;
+  ``spec`` is a :class:`reshard.adapters.core.spec.GroupSpec` as JSON (the
+  refit group and the worker options ``engine_offset``, ``budget_bytes``,
+  ``atomic``). The worker's refit rank is ``num_sources + engine_offset +
+  worker rank``.
 - ``reshard_pull(refit, method="reshard", atomic=None)``: receive refit
   number ``refit`` (trainer ranks call ``Sender.push(refit)`` at the same
-  time). Returns this worker's stats, and ``mixed``: whether a failed refit
-  left this worker with some layers new and some old (see
-  :meth:`reshard.adapters.vllm.receiver.VllmReceiver.pull`; ``atomic``
-  overrides the ``atomic`` init option for this refit).
+  time); ``atomic`` overrides the spec's for this refit (see
+  :meth:`reshard.adapters.vllm.receiver.VllmReceiver.pull`).
 - ``reshard_status()``, ``reshard_stats()``, ``reshard_close()``.
 
-These methods never raise: they return ``{"ok": False, "error": ..., "step":
-...}`` instead. vLLM 0.32's multiprocess executor stops reading worker
-replies at the first worker that raised, so the next ``collective_rpc``
-would get a stale reply; :mod:`reshard.adapters.vllm.driver` turns the
-replies back into one :class:`reshard.RefitError`.
+Every method returns a :class:`reshard.adapters.core.replies.WorkerReply`
+as a dict and never raises: vLLM 0.32's multiprocess executor stops reading
+worker replies at the first worker that raised, so the next
+``collective_rpc`` would get a stale reply;
+:mod:`reshard.adapters.vllm.driver` turns the replies back into one error.
+A reply's ``mixed`` says whether a failed refit left this worker with some
+layers new and some old.
 
 After a pull, reset the prefix cache (``LLM.reset_prefix_cache()`` or
 ``POST /reset_prefix_cache``): cached prefixes were computed with the old
-weights. In a server, pause generation around it (``POST /pause?mode=keep``,
-then ``POST /resume``).
+weights. In a server, pause generation around it (``POST /pause?mode=wait``,
+then ``POST /resume``); :class:`reshard.adapters.vllm.driver.VllmEngines`
+does all of it.
 """
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
-__all__ = ["ReshardWorkerExtension", "config_from"]
+from reshard.adapters.core.replies import WorkerReply, failure
+from reshard.adapters.core.spec import GroupSpec
 
-
-def _reply(fn, *args) -> dict[str, Any]:
-    """Run ``fn`` and return its result as ``{"ok": True, ...}``, or the error."""
-    try:
-        return {"ok": True, **fn(*args)}
-    except BaseException as e:
-        step = getattr(e, "step", None)
-        errors = getattr(e, "errors", None)
-        return {
-            "ok": False,
-            "error": str(e),
-            "type": type(e).__name__,
-            "step": step,
-            "errors": {int(k): v for k, v in errors.items()} if errors else None,
-        }
+__all__ = ["ReshardWorkerExtension"]
 
 
 def _flag(v: bool | str | None) -> bool | None:
@@ -69,22 +55,6 @@ def _flag(v: bool | str | None) -> bool | None:
     raise ValueError(f"not a boolean: {v!r}")
 
 
-def config_from(config: str | dict) -> tuple[Any, dict]:
-    """(GroupConfig, extra options) from a JSON string or dict."""
-    from dataclasses import fields
-
-    from reshard.transport.group import GroupConfig
-
-    d = json.loads(config) if isinstance(config, str) else dict(config)
-    extra = {k: d.pop(k) for k in ("engine_offset", "budget_bytes", "atomic") if k in d}
-    known = {f.name for f in fields(GroupConfig)} - {"host_store"}
-    unknown = set(d) - known
-    if unknown:
-        raise ValueError(f"unknown reshard config keys {sorted(unknown)}; known: {sorted(known | set(extra))}")
-    d.setdefault("host_store", False)
-    return GroupConfig(**d), extra
-
-
 class ReshardWorkerExtension:
     """Mixed into vLLM's worker class; ``self`` is the worker."""
 
@@ -95,56 +65,63 @@ class ReshardWorkerExtension:
     device: Any
     _reshard: Any
 
-    def reshard_init(self, config: str | dict) -> dict[str, Any]:
-        return _reply(self._reshard_init, config)
+    def _reshard_rank(self) -> int:
+        r = getattr(self, "_reshard", None)
+        return r.rank if r is not None else -1
+
+    def reshard_init(self, spec: str | dict) -> dict[str, Any]:
+        try:
+            return self._reshard_init(GroupSpec.parse(spec)).to_builtins()
+        except BaseException as e:
+            return failure(e).to_builtins()
 
     def reshard_pull(
         self, refit: int | str, method: str = "reshard", atomic: bool | str | None = None
     ) -> dict[str, Any]:
-        out = _reply(self._reshard_pull, refit, method, _flag(atomic))
         r = getattr(self, "_reshard", None)
-        out["mixed"] = bool(r is not None and r.mixed)
-        return out
+        try:
+            if r is None:
+                raise RuntimeError("call reshard_init before reshard_pull")
+            stats = r.pull(int(refit), method=method, atomic=_flag(atomic))
+            reply = WorkerReply(ok=True, rank=r.rank, stats=stats)
+        except BaseException as e:
+            reply = failure(e, rank=self._reshard_rank(), mixed=bool(r is not None and r.mixed))
+        return reply.to_builtins()
 
     def reshard_status(self) -> dict[str, Any]:
-        """``{"ready": joined, "mixed": a failed refit left old and new weights, "refit": last good refit}``."""
+        """``stats``: ``{"ready": joined, "refit": last good refit}``; ``mixed``:
+        a failed refit left old and new weights."""
         r = getattr(self, "_reshard", None)
         if r is None:
-            return {"ready": False, "mixed": False, "refit": 0}
-        return {"ready": True, "mixed": r.mixed, "refit": r.receiver.session.last_refit}
+            return WorkerReply(ok=True, stats={"ready": False, "refit": 0}).to_builtins()
+        stats = {"ready": True, "refit": r.receiver.session.last_refit}
+        return WorkerReply(ok=True, rank=r.rank, mixed=r.mixed, stats=stats).to_builtins()
 
-    def _reshard_init(self, config: str | dict) -> dict[str, Any]:
+    def _reshard_init(self, spec: GroupSpec) -> WorkerReply:
         from reshard.adapters.vllm.receiver import VllmReceiver
 
-        cfg, extra = config_from(config)
         old = getattr(self, "_reshard", None)
+        self._reshard = None
         if old is not None:
             old.close()
-        rank = cfg.num_sources + int(extra.get("engine_offset", 0)) + int(self.rank)
-        self._reshard = VllmReceiver(
+        rank = spec.rank_of(int(self.rank))
+        self._reshard = r = VllmReceiver(
             self.model_runner.model,
             self.vllm_config.model_config,
-            config=cfg,
+            config=spec.config(),
             rank=rank,
             device=self.device,
-            budget_bytes=int(extra.get("budget_bytes", 256 << 20)),
-            atomic=bool(_flag(extra.get("atomic", False))),
+            budget_bytes=spec.budget_bytes,
+            atomic=spec.atomic,
             vllm_config=self.vllm_config,
         )
-        r = self._reshard
-        return {
-            "rank": rank,
+        stats = {
             "pieces": len(r.learned.pieces),
             "params": len(r.learned.local_shapes),
             "kept_bytes": r.kept_bytes,
             "learn_seconds": r.learn_seconds,
         }
-
-    def _reshard_pull(self, refit: int | str, method: str = "reshard", atomic: bool | None = None) -> dict[str, Any]:
-        r = getattr(self, "_reshard", None)
-        if r is None:
-            raise RuntimeError("call reshard_init before reshard_pull")
-        return r.pull(int(refit), method=method, atomic=atomic)
+        return WorkerReply(ok=True, rank=rank, stats=stats)
 
     def reshard_stats(self) -> dict[str, Any]:
         r = getattr(self, "_reshard", None)

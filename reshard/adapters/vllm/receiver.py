@@ -27,22 +27,20 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from reshard.adapters.vllm.layout import LearnedLayout, learn_layout
-from reshard.errors import ReshardError
+from reshard.adapters.core.recording import LearnedLayout
+from reshard.adapters.vllm.layout import learn_layout
+from reshard.errors import MixedWeightsError, ReshardError
 from reshard.plan.items import RankPlan
 from reshard.plan.layout import TensorMeta
 from reshard.plan.specs import build_layout
 from reshard.receiver import Receiver
 from reshard.transport.group import GroupConfig
+from reshard.transport.session import DEFAULT_BUDGET_BYTES
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["EngineRefitError", "VllmReceiver", "canonical_tensors_of"]
-
-
-class EngineRefitError(ReshardError):
-    """A refit failed after the engine's weights started to change."""
+__all__ = ["VllmReceiver", "canonical_tensors_of"]
 
 
 def canonical_tensors_of(model_config, vllm_config=None) -> list[TensorMeta]:
@@ -115,7 +113,7 @@ class VllmReceiver:
         config: GroupConfig,
         rank: int,
         device: torch.device | str = "cpu",
-        budget_bytes: int = 256 << 20,
+        budget_bytes: int = DEFAULT_BUDGET_BYTES,
         tensors: list[TensorMeta] | None = None,
         atomic: bool = False,
         vllm_config=None,
@@ -133,11 +131,7 @@ class VllmReceiver:
             metas = tensors if tensors is not None else canonical_tensors_of(model_config, vllm_config)
             self.learned: LearnedLayout = learn_layout(model, model_config, metas)
         self.learn_seconds = time.perf_counter() - t0
-        problems = [f"cannot follow this loader: {u}" for u in self.learned.unsupported]
-        problems += [
-            f"parameter {n!r}: {k} loadable elements are written by no checkpoint tensor"
-            for n, k in self.learned.uncovered.items()
-        ]
+        problems = self.learned.problems()
         if problems:
             raise ReshardError(
                 f"engine rank {rank}: the layout learned from vLLM's loaders is incomplete, so refits would "
@@ -179,7 +173,7 @@ class VllmReceiver:
             return self._pull(refit, method, self.atomic if atomic is None else atomic)
 
     def _pull(self, refit: int, method: str, atomic: bool) -> dict[str, Any]:
-        update = _Update(self)
+        update = _Update(self, refit)
         t0 = time.perf_counter()
         try:
             stats = self.receiver.pull(
@@ -194,9 +188,10 @@ class VllmReceiver:
         except BaseException as e:
             try:
                 update.abort(e)
-            except EngineRefitError:
+            except MixedWeightsError:
                 self.mixed = True
                 raise
+            self.mixed = isinstance(e, MixedWeightsError)
             raise
         self.mixed = False
         self.last_stats = {
@@ -222,8 +217,9 @@ def _itemsize(dtype: str) -> int:
 class _Update:
     """State of one refit inside vLLM's layerwise reload lifecycle."""
 
-    def __init__(self, owner: VllmReceiver) -> None:
+    def __init__(self, owner: VllmReceiver, refit: int) -> None:
         self.owner = owner
+        self.refit = refit
         self.started = False
         self.layers: dict[str, _Layer] = {}
         self.layer_of: dict[str, _Layer] = {}
@@ -263,7 +259,7 @@ class _Update:
         if layer is None:
             raise KeyError(f"engine rank {self.owner.rank}: {local!r} is not a parameter this worker learned")
         if layer.processed:
-            raise EngineRefitError(f"{local!r} written after its layer {layer.name!r} was processed")
+            raise ReshardError(f"{local!r} written after its layer {layer.name!r} was processed")
         if not layer.materialized:
             info = layerwise.LAYERWISE_INFO[layer.module]
             layerwise.materialize_layer(layer.module, info)
@@ -302,9 +298,13 @@ class _Update:
             for name in self.owner.followers:
                 _reprocess(self.owner.modules[name])
         if missing:
-            raise EngineRefitError(
-                f"engine rank {self.owner.rank}: layers {missing[:5]} received nothing in this refit and keep "
-                "their old weights"
+            raise MixedWeightsError(
+                "apply",
+                {
+                    self.owner.rank: f"layers {missing[:5]} received nothing in this refit and keep their old "
+                    "weights; the others took the new ones"
+                },
+                version=self.refit,
             )
 
     def abort(self, error: BaseException) -> None:
@@ -324,9 +324,13 @@ class _Update:
         done = sum(1 for layer in self.layers.values() if layer.processed)
         if done:
             # Some layers already carry the new weights: say so loudly.
-            raise EngineRefitError(
-                f"engine rank {self.owner.rank}: refit failed after {done} of {len(self.layers)} layers took the "
-                f"new weights; the engine now mixes old and new weights until a refit succeeds ({error})"
+            raise MixedWeightsError(
+                getattr(error, "step", "apply"),
+                {
+                    self.owner.rank: f"refit failed after {done} of {len(self.layers)} layers took the new "
+                    f"weights; the engine now mixes old and new weights until a refit succeeds ({error})"
+                },
+                version=self.refit,
             ) from error
 
 
