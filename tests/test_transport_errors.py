@@ -172,13 +172,14 @@ def _host_store(_rank: int, address: str, ready: str) -> None:
 
 
 def _start_store(address: str, path) -> tuple:
+    """A process hosting the store: ``(its Running handle, its pid)``."""
     ready = path / f"ready.{time.monotonic_ns()}"
-    p = procs.spawn(_host_store, 0, address, str(ready)).process
+    host = procs.spawn(_host_store, 0, address, str(ready))
     deadline = time.monotonic() + 60
     while not ready.exists():
-        assert time.monotonic() < deadline and p.is_alive(), "the store host did not start"
+        assert time.monotonic() < deadline and host.process.is_alive(), "the store host did not start"
         time.sleep(0.05)
-    return p, int(ready.read_text())
+    return host, int(ready.read_text())
 
 
 def _wait_for(path, timeout: float = 120) -> str:
@@ -265,9 +266,9 @@ def test_the_store_host_dying_before_connect_or_mid_refit_fails_every_rank_and_t
     import threading
 
     address = f"127.0.0.1:{procs.free_port()}"
-    p, _ = _start_store(address, tmp_path)
-    p.kill()  # before anyone connects
-    p.join()
+    host, _ = _start_store(address, tmp_path)
+    host.process.kill()  # before anyone connects
+    host.process.join()
     hosts = []
 
     def conduct() -> None:
@@ -284,7 +285,7 @@ def test_the_store_host_dying_before_connect_or_mid_refit_fails_every_rank_and_t
         out = procs.check(procs.run(_store_dies, 3, address, str(tmp_path), timeout=240))
     finally:
         for h in hosts:
-            h.kill()
+            h.process.kill()
     for r in out:
         step, text, secs = r["before"]
         assert step == "join" and f"cannot reach the refit store at {address}" in text, text

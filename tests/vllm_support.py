@@ -1,9 +1,7 @@
-"""Helpers for the vLLM tests: a capture extension, trainers, and a driver that
-runs one engine through a whole scenario in its own process.
-
-vLLM engines run in a subprocess per configuration (one engine per
-configuration, shared by every check of that configuration), so engines with
-different tensor-parallel sizes never share a process.
+"""Helpers for the vLLM tests: a capture extension (every parameter as it
+lands, before vLLM repacks it), trainer ranks, scenarios that run one engine
+through several checks in its own process, and a server started as a
+subprocess.
 """
 
 from __future__ import annotations
@@ -170,90 +168,6 @@ def fsdp_trainer(
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
-
-
-def _pull_with_trainers(
-    llm,
-    address: str,
-    v_path: str,
-    tp: int,
-    refit: int,
-    generation: int,
-    mutate: str = "",
-    trainer_world: int = 2,
-    capture: bool = True,
-) -> dict[str, Any]:
-    """Run one refit: FSDP2 trainer ranks in subprocesses, the engine's workers here."""
-
-    from reshard.adapters.vllm.driver import init_workers, pull_workers
-    from tests import procs
-
-    cfg = {
-        "address": address,
-        "num_sources": trainer_world,
-        "num_destinations": tp,
-        "timeout_s": 60,
-        "generation": generation,
-    }
-    init = flat(init_workers(llm, cfg))
-    pg_port = procs.free_port()
-    ps = [
-        procs.spawn(fsdp_trainer, r, address, pg_port, v_path, trainer_world, tp, refit, generation, mutate)
-        for r in range(trainer_world)
-    ]
-    if capture:
-        llm.collective_rpc("capture_begin")
-    t0 = time.monotonic()
-    error = None
-    stats = None
-    try:
-        stats = flat(pull_workers(llm, refit))
-    except Exception as e:
-        error = str(e)
-    seconds = time.monotonic() - t0
-    digests = llm.collective_rpc("capture_end") if capture else None
-    trainers = []
-    for p in ps:
-        o = p.outcome(120)
-        trainers.append(o.value if o.ok else {"ok": False, "error": o.error})
-    return {"init": init, "stats": stats, "error": error, "digests": digests, "trainers": trainers, "seconds": seconds}
-
-
-def scenario(rank: int, kind: str, tp: int, v1: str, v2: str, address: str) -> dict[str, Any]:
-    """One engine (``kind``, ``tp``) serving ``v1`` through every check."""
-    from tests import procs
-
-    out: dict[str, Any] = {}
-    out["fresh_v2"] = procs.check(procs.run(fresh_greedy, 1, v2, timeout=300))[0]
-    llm = make_llm(v1, tp)
-    try:
-        out["before"] = greedy(llm)
-        out["learned"] = llm.collective_rpc("learned_pieces")
-        # 1. refit v1 -> v2 from a differently sharded (FSDP2) trainer
-        r = _pull_with_trainers(llm, address, v2, tp, refit=1, generation=0)
-        llm.reset_prefix_cache()
-        out["refit"] = r
-        out["after"] = greedy(llm)
-        # 2. mismatched trainers: rejected before any byte moves, old weights kept
-        for g, mutate in ((1, "shape"), (2, "missing")):
-            m = _pull_with_trainers(llm, address, v2, tp, refit=1, generation=g, mutate=mutate, capture=False)
-            llm.reset_prefix_cache()
-            m["after"] = greedy(llm)
-            out[f"mismatch_{mutate}"] = m
-        # 3. and back to v1 with a plain single-rank trainer
-        r = _pull_with_trainers(llm, address, v1, tp, refit=2, generation=3, trainer_world=1, capture=False)
-        llm.reset_prefix_cache()
-        out["back"] = r
-        out["back_tokens"] = greedy(llm)
-        # 4. last (vLLM 0.32's own reload breaks CPU MoE engines): vLLM's own
-        # reload from the v2 checkpoint, captured the same way as step 1.
-        llm.collective_rpc("capture_begin")
-        llm.collective_rpc("reload_from", args=(v2,))
-        out["reference_digests"] = llm.collective_rpc("capture_end")
-    finally:
-        shutdown(llm)
-        del llm
-    return out
 
 
 def backend_scenario(rank: int, tp: int, v1: str, v2: str, port: int) -> dict[str, Any]:
@@ -450,7 +364,7 @@ def faults_scenario(rank: int, v1: str, v2: str, address: str, soak: int) -> dic
             refit += 1
             p = trainer([target], refit, gen + 1, budget_bytes=small)
             (st,) = flat(pull_workers(llm, refit))
-            p.join(timeout=60)
+            p.outcome(60)
             llm.reset_prefix_cache()
             out[key] = {
                 "crashed": crashed,
@@ -499,6 +413,9 @@ class VllmServer:
             os.environ,
             VLLM_SERVER_DEV_MODE="1",
             VLLM_CPU_KVCACHE_SPACE="1",
+            # The engine core in the server process (10 s less to start); TP>1
+            # workers still run under vLLM's multiprocess executor.
+            VLLM_ENABLE_V1_MULTIPROCESSING="0",
             PYTHONPATH=os.pathsep.join([repo, os.environ.get("PYTHONPATH", "")]),
         )
         if tp > 1:

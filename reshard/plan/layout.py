@@ -40,6 +40,7 @@ __all__ = [
     "FLOAT_DTYPES",
     "LAYOUT_VERSION",
     "Grid",
+    "GridInfo",
     "Layout",
     "LocalTensor",
     "Mesh",
@@ -50,6 +51,7 @@ __all__ = [
     "dtype_size",
     "grid_box",
     "table_digest",
+    "zeros",
 ]
 
 LAYOUT_VERSION = 1
@@ -288,7 +290,8 @@ class Slot:
 
 
 @lru_cache(maxsize=64)
-def _zeros(n: int) -> tuple[int, ...]:
+def zeros(n: int) -> tuple[int, ...]:
+    """``(0,) * n``, shared (offsets of boxes at the origin)."""
     return (0,) * n
 
 
@@ -342,7 +345,7 @@ class GridInfo:
         if box is None:
             box = grid_box(g, meta.shape, coord)
         if g.local is None:
-            return Slot(rank, box, meta.name, box.sizes, _zeros(len(meta.shape)), (), meta.dtype)
+            return Slot(rank, box, meta.name, box.sizes, zeros(len(meta.shape)), (), meta.dtype)
         return Slot(rank, box, g.local.name, g.local.shape, self.offset(position), g.dims, g.local.dtype or meta.dtype)
 
     def offset(self, position: int) -> tuple[int, ...]:
@@ -350,10 +353,10 @@ class GridInfo:
         g = self.grid
         assert g.local is not None
         nd = len(g.local.shape)
-        base = g.offset or _zeros(nd)
+        base = g.offset or zeros(nd)
         step = g.step
         if not step or not position:
             return base
-        if step[1:] == _zeros(nd - 1):  # expert stacks: only the leading dim moves
+        if step[1:] == zeros(nd - 1):  # expert stacks: only the leading dim moves
             return (base[0] + position * step[0], *base[1:])
         return tuple(b + position * s for b, s in zip(base, step, strict=True))

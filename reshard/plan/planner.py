@@ -46,7 +46,7 @@ from reshard.errors import PlanError, Problem
 from reshard.plan.box import Box, chunk_range, merge_boxes
 from reshard.plan.index import LayoutSet, Ref, gc_paused, natural_key
 from reshard.plan.items import RankPlan, Round, Transfer, TransferKind
-from reshard.plan.layout import GridInfo, Slot, TensorMeta, _zeros, cast_ok, dtype_size, grid_box
+from reshard.plan.layout import GridInfo, Slot, TensorMeta, cast_ok, dtype_size, grid_box, zeros
 from reshard.plan.rounds import DEFAULT_ROUND_BYTES, RoundTable
 from reshard.plan.traffic import Traffic
 
@@ -81,7 +81,7 @@ def _make_slot(store: tuple, grids: list[GridInfo], ref: tuple, rank: int, name:
     grid = info.grid
     local = grid.local
     if local is None:
-        return Slot(rank, box, name, box.sizes, _zeros(len(box.sizes)), (), dtype)
+        return Slot(rank, box, name, box.sizes, zeros(len(box.sizes)), (), dtype)
     return Slot(rank, box, local.name, local.shape, info.offset(pos), grid.dims, local.dtype or dtype)
 
 

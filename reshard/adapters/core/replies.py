@@ -48,7 +48,8 @@ class WorkerReply(msgspec.Struct, kw_only=True):
             return value
         if isinstance(value, str | bytes):
             return msgspec.json.decode(value, type=cls)
-        return msgspec.convert(value, cls)
+        # JSON (vLLM's HTTP server) turns the int keys of ``errors`` into strings.
+        return msgspec.convert(value, cls, strict=False)
 
 
 def failure(e: BaseException, *, rank: int = -1, mixed: bool = False, **fields: Any) -> WorkerReply:
