@@ -37,7 +37,9 @@ def server(tmp_path_factory):
         args=["--worker-extension-cls", "reshard.adapters.vllm.ReshardWorkerExtension"],
     )
     try:
-        yield {"url": srv.url, "model": str(v1), "v1": str(v1), "v2": str(v2)}
+        # The server starts on v1: these are a fresh server's tokens on v1.
+        tokens = {"v1": server_greedy(srv.url)}
+        yield {"url": srv.url, "model": str(v1), "v1": str(v1), "v2": str(v2), "tokens": tokens}
     finally:
         srv.close()
 
@@ -216,3 +218,114 @@ def test_a_server_left_with_mixed_weights_stays_paused_until_a_refit_succeeds(se
         t.join(timeout=120)
     ((result, _),) = done["waiting"]
     assert result == _complete(url, model, PROMPTS[0], LONG)
+
+
+def _staging_started(http, refit: int) -> bool:
+    """Whether every worker is staging ``refit`` (a worker that never started
+    staging it answers with an error)."""
+    from reshard.adapters.core.replies import WorkerReply
+
+    replies = [WorkerReply.parse(r) for r in http.collective_rpc("reshard_staged", [str(refit)])]
+    return all(r.ok for r in replies)
+
+
+def test_two_phase_refit_serves_while_staging_and_pauses_only_to_apply(server):
+    """Two-phase: while the workers receive (here, waiting for a trainer that
+    has not started yet), the server is not paused and serves the old
+    weights; a request streaming when the transfer ends finishes on the old
+    weights; afterwards the server generates from the new ones."""
+    from reshard.adapters.vllm.driver import VllmEngines
+
+    url, model = server["url"], server["model"]
+    prompt = PROMPTS[0]
+    old = server_greedy(url)  # the previous test left v2 in the server
+    server["tokens"]["v2"] = old
+    old_streamed = _complete(url, model, prompt, STREAMED)
+    store = procs.StoreServer()
+    cfg = GroupConfig(address=store.address, num_sources=1, num_destinations=1, timeout_s=60, host_store=False)
+    engines = VllmEngines([url], two_phase=True)
+    engines.init(cfg)
+    http = engines.engines[0]
+    done: dict = {}
+
+    def drive() -> None:
+        try:
+            done["replies"] = engines.refit(1)
+        except Exception as e:
+            done["error"] = e
+
+    driver = threading.Thread(target=drive, daemon=True)
+    driver.start()
+    deadline = time.monotonic() + 60
+    while not _staging_started(http, 1):
+        assert time.monotonic() < deadline and driver.is_alive(), done
+        time.sleep(0.1)
+    assert not _is_paused(url)
+    assert server_greedy(url) == old, "while staging, the server serves the old weights"
+
+    started, streamed = threading.Event(), {}
+    streaming = threading.Thread(target=_stream, args=(url, model, prompt, STREAMED, started, streamed), daemon=True)
+    streaming.start()
+    assert started.wait(timeout=120)
+    trainer = threading.Thread(
+        target=lambda: done.setdefault("trainer", procs.run(plain_trainer, 1, store.address, [server["v1"]], 1, 1, 0)),
+        daemon=True,
+    )
+    trainer.start()
+    for t in (driver, trainer, streaming):
+        t.join(timeout=180)
+    assert "error" not in done, done["error"]
+    assert procs.check(done["trainer"]) == [{"ok": True}]
+    (reply,) = done["replies"]
+    assert reply.ok and reply.stats["staged"] and reply.stats["two_phase"]
+    assert reply.stats["bytes_received"] == reply.stats["kept_bytes"]
+    assert "error" not in streamed, streamed
+    assert streamed["tokens"] == old_streamed, "a request in flight finishes on the old weights"
+    assert not _is_paused(url)
+    assert server_greedy(url) == server["tokens"]["v1"]
+
+
+def test_a_failure_while_staging_leaves_the_serving_weights_untouched(server):
+    """Two-phase: a trainer that dies mid-transfer fails the refit while the
+    workers stage; the live weights were never touched, so the engine is not
+    mixed, never paused, and keeps serving the old weights; the next refit
+    works."""
+    from reshard.adapters.vllm.driver import VllmEngines
+    from reshard.errors import MixedWeightsError, RefitError
+
+    url = server["url"]
+    before = server_greedy(url)  # v1, from the previous test
+    assert before == server["tokens"]["v1"]
+    store = procs.StoreServer()
+    cfg = GroupConfig(address=store.address, num_sources=1, num_destinations=1, timeout_s=20, host_store=False)
+    small = 64 << 10  # many rounds: the crash lands mid-transfer
+    engines = VllmEngines([url], budget_bytes=small, two_phase=True)
+    engines.init(cfg)
+    done: dict = {}
+    crash = threading.Thread(
+        target=lambda: done.setdefault(
+            "crash", procs.run(plain_trainer, 1, store.address, [server["v2"]], 1, 1, 0, small, 20, timeout=120)
+        ),
+        daemon=True,
+    )
+    crash.start()
+    with pytest.raises(RefitError) as err:
+        engines.refit(1)
+    assert not isinstance(err.value, MixedWeightsError), err.value
+    crash.join(timeout=120)
+    assert done["crash"][0].exitcode == 3
+    assert not engines.mixed and not _is_paused(url)
+    assert server_greedy(url) == before
+
+    good = threading.Thread(
+        target=lambda: done.setdefault(
+            "good", procs.run(plain_trainer, 1, store.address, [server["v2"]], 1, 2, 0, small, timeout=120)
+        ),
+        daemon=True,
+    )
+    good.start()
+    (reply,) = engines.refit(2)
+    good.join(timeout=120)
+    assert procs.check(done["good"]) == [{"ok": True}]
+    assert reply.stats["staged"]
+    assert server_greedy(url) == server["tokens"]["v2"]

@@ -8,15 +8,15 @@ engines, one at a time, TP=1 in-process, TP=2 with two worker processes).
 One configuration (architecture, TP):
 
 1. the engine starts on checkpoint v2: its tokens are a fresh engine's on v2;
-2. refit 1 moves it to v1 (its tokens must now differ);
-3. refit 2 moves it back to v2, every parameter captured as it lands
+2. vLLM's own reload moves it to v1 (its tokens must now differ);
+3. a refit moves it back to v2, every parameter captured as it lands
    (before vLLM repacks it); its tokens must equal the fresh engine's;
 4. vLLM's own reload of v2, captured the same way: every parameter must
-   equal what refit 2 wrote (a parameter refit 2 never wrote would still
-   hold v1's bytes from refit 1, or miss from the capture);
+   equal what the refit wrote (a parameter the refit never wrote would still
+   hold v1's bytes, or miss from the capture);
 5. the worker's learned layout, for the plan-rule check.
 
-Each refit checks bytes: every worker receives exactly what it keeps, the
+The refit checks bytes: every worker receives exactly what it keeps, the
 trainers send exactly what the workers receive.
 """
 
@@ -91,9 +91,12 @@ def engine_greedy(rank: int) -> list[list[int]]:
     return greedy(_state["llm"])
 
 
-def engine_pull(rank: int, config: dict[str, Any], refit: int, capture: bool) -> dict[str, Any]:
-    """Join the refit group ``config`` and pull refit ``refit`` on every worker."""
-    from reshard.adapters.vllm.driver import init_workers, pull_workers
+def engine_pull(
+    rank: int, config: dict[str, Any], refit: int, capture: bool, two_phase: bool = False
+) -> dict[str, Any]:
+    """Join the refit group ``config`` and pull refit ``refit`` on every
+    worker; ``two_phase``: stage it, then commit it."""
+    from reshard.adapters.vllm.driver import commit_workers, init_workers, pull_workers, stage_workers
     from tests.vllm_support import flat
 
     llm = _state["llm"]
@@ -102,13 +105,27 @@ def engine_pull(rank: int, config: dict[str, Any], refit: int, capture: bool) ->
     if capture:
         llm.collective_rpc("capture_begin")
     try:
-        stats = flat(pull_workers(llm, refit))
+        if two_phase:
+            stage_workers(llm, refit)
+            stats = flat(commit_workers(llm, refit))
+        else:
+            stats = flat(pull_workers(llm, refit))
         error = None
     except Exception as e:
         stats, error = None, str(e)
     digests = llm.collective_rpc("capture_end") if capture else None
     llm.reset_prefix_cache()
     return {"init": init, "stats": stats, "error": error, "digests": digests, "seconds": time.monotonic() - t0}
+
+
+def engine_load(rank: int, path: str) -> list[list[int]]:
+    """vLLM's own reload from ``path``; greedy tokens afterwards."""
+    from tests.vllm_support import greedy
+
+    llm = _state["llm"]
+    llm.collective_rpc("reload_from", args=(path,))
+    llm.reset_prefix_cache()
+    return greedy(llm)
 
 
 def engine_reload(rank: int, path: str) -> list[dict[str, str]]:
@@ -159,7 +176,7 @@ class Zoo:
             self.host.close()
             self.trainers.close()
 
-    def _refit(self, path: str, tp: int, refit: int, capture: bool) -> dict[str, Any]:
+    def _refit(self, path: str, tp: int, refit: int, capture: bool, two_phase: bool = False) -> dict[str, Any]:
         from tests import procs
 
         self.generation += 1
@@ -170,7 +187,7 @@ class Zoo:
             "timeout_s": 120,
             "generation": self.generation,
         }
-        self.host.submit(engine_pull, config, refit, capture)
+        self.host.submit(engine_pull, config, refit, capture, two_phase)
         self.trainers.submit(
             trainer_push, self.world, self.pg_port, path, self.store.address, tp, self.generation, refit
         )
@@ -187,10 +204,9 @@ class Zoo:
         t0 = time.monotonic()
         try:
             out["fresh_v2"] = self.host.call(engine_start, v2, tp, timeout=600)[0]
-            out["refit1"] = self._refit(v1, tp, 1, capture=False)
-            out["after1"] = self.host.call(engine_greedy)[0]
-            out["refit2"] = self._refit(v2, tp, 2, capture=True)
-            out["after2"] = self.host.call(engine_greedy)[0]
+            out["before"] = self.host.call(engine_load, v1)[0]
+            out["refit"] = self._refit(v2, tp, 1, capture=True)
+            out["after"] = self.host.call(engine_greedy)[0]
             out["learned"] = self.host.call(engine_learned)[0]
             out["reference"] = self.host.call(engine_reload, v2)[0]
         except Exception as e:

@@ -2,7 +2,9 @@
 when any worker failed.
 
 - :func:`init_workers` / :func:`pull_workers`: one engine, anything with
-  ``collective_rpc`` (an offline ``LLM``, or :class:`HttpEngine`).
+  ``collective_rpc`` (an offline ``LLM``, or :class:`HttpEngine`);
+  :func:`stage_workers` / :func:`commit_workers`: the two phases of a
+  two-phase refit.
 - :class:`HttpEngine`: a ``vllm serve`` endpoint started with
   ``VLLM_SERVER_DEV_MODE=1`` and ``--worker-extension-cls
   reshard.adapters.vllm.ReshardWorkerExtension`` (``/collective_rpc``,
@@ -15,6 +17,8 @@ when any worker failed.
 from __future__ import annotations
 
 import json
+import logging
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Sequence
@@ -27,7 +31,9 @@ from reshard.errors import MixedWeightsError, ReshardError
 from reshard.transport.group import GroupConfig
 from reshard.transport.session import DEFAULT_BUDGET_BYTES
 
-__all__ = ["HttpEngine", "VllmEngines", "init_workers", "pull_workers"]
+__all__ = ["HttpEngine", "VllmEngines", "commit_workers", "init_workers", "pull_workers", "stage_workers"]
+
+log = logging.getLogger("reshard")
 
 
 def init_workers(engine, spec: GroupSpec | dict[str, Any]) -> list[WorkerReply]:
@@ -48,8 +54,37 @@ def pull_workers(engine, refit: int, *, method: str = "reshard", atomic: bool | 
 
 
 def _pull_replies(engine, refit: int, method: str, atomic: bool | None) -> list[WorkerReply]:
-    flag = "" if atomic is None else str(atomic).lower()
-    return [WorkerReply.parse(r) for r in engine.collective_rpc("reshard_pull", args=(str(refit), method, flag))]
+    return _replies(engine, "reshard_pull", str(refit), method, "" if atomic is None else str(atomic).lower())
+
+
+def stage_workers(engine, refit: int, *, method: str = "reshard", poll_s: float = 0.02) -> list[WorkerReply]:
+    """Phase 1 of a two-phase refit: every worker receives refit ``refit``
+    into staging buffers while the engine keeps serving (trainer ranks push at
+    the same time); returns once every worker staged it. Each call into the
+    engine is short (start, then polls), so a server keeps generating in
+    between. A failure raises one error and leaves the live weights untouched."""
+    replies = _replies(engine, "reshard_stage", str(refit), method)
+    raise_for_replies(replies, "reshard_stage", version=refit)
+    wait = poll_s / 4
+    while True:
+        replies = _replies(engine, "reshard_staged", str(refit))
+        raise_for_replies(replies, "reshard_stage", version=refit)
+        if all(r.stats.get("staged") for r in replies):
+            return replies
+        time.sleep(wait)
+        wait = min(poll_s, wait * 2)
+
+
+def commit_workers(engine, refit: int) -> list[WorkerReply]:
+    """Phase 2 of a two-phase refit: every worker applies staged refit
+    ``refit`` to its live weights (pause generation around it)."""
+    replies = _replies(engine, "reshard_commit", str(refit))
+    raise_for_replies(replies, "reshard_commit", version=refit)
+    return replies
+
+
+def _replies(engine, method: str, *args: str) -> list[WorkerReply]:
+    return [WorkerReply.parse(r) for r in engine.collective_rpc(method, args=args)]
 
 
 class HttpEngine:
@@ -110,6 +145,14 @@ class VllmEngines:
     fails, at the cost of one materialized copy of its weights during the
     refit (see :meth:`reshard.adapters.vllm.receiver.VllmReceiver.pull`).
 
+    ``two_phase``: workers receive each refit into staging buffers while
+    the engine keeps generating on its old weights; generation is paused only
+    to apply them (a copy and a repack per layer). A transfer that fails
+    leaves the serving weights untouched. It costs one more copy of what each
+    worker keeps; an engine whose workers keep more than
+    ``stage_budget_bytes`` each is refit in place instead (``staged: false``
+    in its replies). Every reply's stats say ``paused_seconds``.
+
     A job token (``GroupConfig.token``) is handed to offline engines; servers
     read ``$RESHARD_TOKEN`` from their own environment instead.
 
@@ -126,6 +169,8 @@ class VllmEngines:
         pause_mode: str = "wait",
         budget_bytes: int = DEFAULT_BUDGET_BYTES,
         atomic: bool = False,
+        two_phase: bool = False,
+        stage_budget_bytes: int | None = None,
     ) -> None:
         if pause_mode not in ("wait", "keep", "abort"):
             raise ValueError(f"pause_mode {pause_mode!r}: use 'wait', 'keep' or 'abort'")
@@ -135,9 +180,16 @@ class VllmEngines:
         self.pause_mode = pause_mode
         self.budget_bytes = budget_bytes
         self.atomic = atomic
+        self.two_phase = two_phase
+        self.stage_budget_bytes = stage_budget_bytes
         self.mixed: list[Any] = []
         self.workers: list[list[WorkerReply]] = []
         self.config: GroupConfig | None = None
+        self._kept: dict[int, int] = {}
+
+    def _can_stage(self, engine: Any) -> bool:
+        """Whether each of ``engine``'s workers may stage what it keeps."""
+        return self.stage_budget_bytes is None or self._kept.get(id(engine), 0) <= self.stage_budget_bytes
 
     def init(self, config: GroupConfig) -> None:
         self.workers = []
@@ -154,6 +206,7 @@ class VllmEngines:
             )
             replies = init_workers(e, spec)
             self.workers.append(replies)
+            self._kept[id(e)] = max(int(r.stats.get("kept_bytes", 0)) for r in replies)
             offset += len(replies)
         if offset != config.num_destinations:
             raise ReshardError(
@@ -169,11 +222,21 @@ class VllmEngines:
 
         def one(e: Any) -> list[WorkerReply]:
             server = isinstance(e, HttpEngine)
+            staged = self.two_phase and self._can_stage(e)
+            t0 = time.perf_counter()
+            if staged:
+                # The engine keeps serving while its workers receive; a failure
+                # here leaves its weights untouched and raises.
+                stage_workers(e, refit, method=method)
+            t_pause = time.perf_counter()
             if server:
                 e.pause(self.pause_mode)
             replies: list[WorkerReply] = []
             try:
-                replies = _pull_replies(e, refit, method, None)
+                if staged:
+                    replies = _replies(e, "reshard_commit", str(refit))
+                else:
+                    replies = _pull_replies(e, refit, method, None)
                 # Cached prefixes were computed with the old weights (and, after a
                 # failed refit, the engine kept those weights: flushing is harmless).
                 e.reset_prefix_cache()
@@ -183,6 +246,11 @@ class VllmEngines:
                 elif server:
                     # A server whose weights are half old, half new stays paused.
                     e.resume()
+            t_end = time.perf_counter()
+            for r in replies:
+                r.stats.update(paused_seconds=t_end - t_pause, staged=staged, engine_seconds=t_end - t0)
+            if all(r.ok for r in replies):
+                _log_refit(e, refit, method, replies, t_end - t0, t_end - t_pause, staged)
             try:
                 raise_for_replies(replies, "reshard_pull", version=refit)
             except MixedWeightsError as err:
@@ -198,3 +266,22 @@ class VllmEngines:
             return [r for replies in fan_out(self.engines, one, name="reshard-pull") for r in replies]
         finally:
             self.mixed = mixed
+
+
+def _log_refit(
+    engine: Any, refit: int, method: str, replies: list[WorkerReply], seconds: float, paused: float, staged: bool
+) -> None:
+    """One INFO line per engine and refit."""
+    got = sum(int(r.stats.get("bytes_received", 0)) for r in replies)
+    mode = f"{method}, two-phase" if staged else method
+    log.info(
+        "refit %d (%s) into %r: %d workers received %.1f MB in %.3f s (%.2f GB/s), generation paused %.3f s",
+        refit,
+        mode,
+        engine,
+        len(replies),
+        got / 1e6,
+        seconds,
+        got / max(seconds, 1e-9) / 1e9,
+        paused,
+    )

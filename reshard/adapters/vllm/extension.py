@@ -14,6 +14,13 @@ strings only:
   number ``refit`` (trainer ranks call ``Sender.push(refit)`` at the same
   time); ``atomic`` overrides the spec's for this refit (see
   :meth:`reshard.adapters.vllm.receiver.VllmReceiver.pull`).
+- two-phase refits: ``reshard_stage(refit, method="reshard")`` starts
+  receiving refit ``refit`` into staging buffers in a thread of the worker
+  and returns at once (the engine keeps serving its live weights);
+  ``reshard_staged(refit)`` says whether it is done (``stats["staged"]``)
+  or failed (the live weights are untouched); ``reshard_commit(refit)``
+  applies it, with generation paused (see
+  :meth:`reshard.adapters.vllm.receiver.VllmReceiver.stage`).
 - ``reshard_status()``, ``reshard_stats()``, ``reshard_close()``.
 
 Every method returns a :class:`reshard.adapters.core.replies.WorkerReply`
@@ -78,12 +85,24 @@ class ReshardWorkerExtension:
     def reshard_pull(
         self, refit: int | str, method: str = "reshard", atomic: bool | str | None = None
     ) -> dict[str, Any]:
+        return self._reshard_call(lambda r: r.pull(int(refit), method=method, atomic=_flag(atomic)))
+
+    def reshard_stage(self, refit: int | str, method: str = "reshard") -> dict[str, Any]:
+        return self._reshard_call(lambda r: r.stage(int(refit), method=method) or {"staging": int(refit)})
+
+    def reshard_staged(self, refit: int | str) -> dict[str, Any]:
+        return self._reshard_call(lambda r: {"staged": r.staging_state(int(refit))})
+
+    def reshard_commit(self, refit: int | str) -> dict[str, Any]:
+        return self._reshard_call(lambda r: r.commit(int(refit)))
+
+    def _reshard_call(self, fn) -> dict[str, Any]:
+        """``fn(receiver)``'s stats as a reply (a failure reply if it raised)."""
         r = getattr(self, "_reshard", None)
         try:
             if r is None:
-                raise RuntimeError("call reshard_init before reshard_pull")
-            stats = r.pull(int(refit), method=method, atomic=_flag(atomic))
-            reply = WorkerReply(ok=True, rank=r.rank, stats=stats)
+                raise RuntimeError("call reshard_init first")
+            reply = WorkerReply(ok=True, rank=r.rank, stats=fn(r))
         except BaseException as e:
             reply = failure(e, rank=self._reshard_rank(), mixed=bool(r is not None and r.mixed))
         return reply.to_builtins()

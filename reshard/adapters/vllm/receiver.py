@@ -17,11 +17,21 @@ One refit (``VllmReceiver.pull``):
    at a time, as vLLM's own layerwise reload does;
 5. ``finalize_layerwise_reload`` puts back layers that were not touched and
    processes attention layers.
+
+A two-phase refit (``VllmReceiver.stage``, then ``commit``) splits this in
+two: the worker first receives everything into staging buffers of the
+checkpoint-loading shapes, in a thread of its own, while the engine keeps
+serving its live weights; the driver then pauses generation, ``commit``
+runs steps 2-5 from the staging buffers (a memory copy and a repack per
+layer, no network) and generation resumes. Staging costs one copy of what
+the worker keeps (:attr:`VllmReceiver.kept_bytes`), kept for the next refit.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
+import threading
 import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -41,6 +51,8 @@ if TYPE_CHECKING:
     import torch
 
 __all__ = ["VllmReceiver", "canonical_tensors_of"]
+
+log = logging.getLogger("reshard")
 
 
 def canonical_tensors_of(model_config, vllm_config=None) -> list[TensorMeta]:
@@ -90,6 +102,22 @@ def _compile_ignored() -> Iterator[None]:
     finally:
         for cls, value in touched:
             setattr(cls, IGNORE_COMPILE_KEY, value)
+
+
+@dataclass(slots=True)
+class _Staging:
+    """Phase 1 of a two-phase refit, running in a thread of its own."""
+
+    refit: int
+    method: str
+    thread: threading.Thread | None = None
+    stats: Any = None
+    error: BaseException | None = None
+    seconds: float = 0.0
+
+    @property
+    def done(self) -> bool:
+        return self.thread is not None and not self.thread.is_alive()
 
 
 @dataclass(slots=True)
@@ -151,6 +179,8 @@ class VllmReceiver:
             check_tensors=False,
         )
         self.last_stats: dict[str, Any] = {}
+        self._staging: _Staging | None = None
+        self._buffers: dict[str, torch.Tensor] | None = None
 
     @property
     def kept_bytes(self) -> int:
@@ -173,9 +203,10 @@ class VllmReceiver:
             return self._pull(refit, method, self.atomic if atomic is None else atomic)
 
     def _pull(self, refit: int, method: str, atomic: bool) -> dict[str, Any]:
+        self._wait_staging()
         update = _Update(self, refit)
         t0 = time.perf_counter()
-        try:
+        with self._applying(update):
             stats = self.receiver.pull(
                 refit,
                 method=method,
@@ -185,15 +216,6 @@ class VllmReceiver:
             )
             # (The baseline has no rounds of ours: its first write starts the lifecycle.)
             update.end()
-        except BaseException as e:
-            try:
-                update.abort(e)
-            except MixedWeightsError:
-                self.mixed = True
-                raise
-            self.mixed = isinstance(e, MixedWeightsError)
-            raise
-        self.mixed = False
         self.last_stats = {
             **stats.as_dict(),
             "apply_seconds": update.process_seconds,
@@ -204,8 +226,135 @@ class VllmReceiver:
         }
         return self.last_stats
 
+    # -- two-phase refits ------------------------------------------------------
+
+    @property
+    def staging_bytes(self) -> int:
+        """Bytes of staging buffers this worker holds (0 until its first :meth:`stage`)."""
+        return sum(t.nbytes for t in (self._buffers or {}).values())
+
+    def _staging_buffers(self) -> dict[str, torch.Tensor]:
+        """One zeroed buffer per parameter, of its checkpoint-loading shape and
+        dtype; kept for the next refit (regions no piece writes, such as
+        vocabulary padding, stay zero, as vLLM's loader leaves them)."""
+        import torch
+
+        if self._buffers is None:
+            dtypes: dict[str, str] = {}
+            for p in self.learned.pieces:
+                dtypes.setdefault(p.local, p.local_dtype or p.tensor.dtype)
+            self._buffers = {
+                name: torch.zeros(shape, dtype=getattr(torch, dtypes.get(name, _model_dtype(self.model_config))))
+                for name, shape in self.learned.local_shapes.items()
+            }
+        return self._buffers
+
+    def stage(self, refit: int, *, method: str = "reshard") -> None:
+        """Phase 1 of a two-phase refit: start receiving refit ``refit`` into
+        staging buffers, in a thread of its own, and return at once. The live
+        weights are untouched, so the engine keeps serving; if the transfer
+        fails, nothing changed. :meth:`staging_state` says when it is done,
+        :meth:`commit` applies it (with generation paused)."""
+        self._wait_staging()
+        buffers = self._staging_buffers()
+        job = _Staging(refit, method)
+
+        def run() -> None:
+            t0 = time.perf_counter()
+            try:
+                job.stats = self.receiver.pull(refit, method=method, destinations=buffers)
+            except BaseException as e:  # reported by staging_state / commit
+                job.error = e
+            job.seconds = time.perf_counter() - t0
+
+        job.thread = threading.Thread(target=run, name=f"reshard-stage-{refit}", daemon=True)
+        self._staging = job
+        job.thread.start()
+
+    def _wait_staging(self) -> None:
+        """Let a staging thread still running (a failed refit winding down on
+        this rank) finish before the next refit starts."""
+        job = self._staging
+        if job is None or job.thread is None or job.done:
+            return
+        job.thread.join(timeout=self.receiver.session.config.timeout_s)
+        if not job.done:
+            raise ReshardError(f"engine rank {self.rank}: refit {job.refit} is still being staged")
+
+    def staging_state(self, refit: int) -> bool:
+        """Whether refit ``refit`` is fully staged (``False``: still receiving);
+        raises the staging error if it failed (the live weights are untouched)."""
+        job = self._staging
+        if job is None or job.refit != refit:
+            raise ReshardError(
+                f"engine rank {self.rank}: refit {refit} was never staged"
+                + (f" (refit {job.refit} was)" if job is not None else "")
+            )
+        if not job.done:
+            return False
+        if job.error is not None:
+            raise job.error
+        return True
+
+    def commit(self, refit: int, *, wait_s: float = 0.0) -> dict[str, Any]:
+        """Phase 2 of a two-phase refit: apply staged refit ``refit`` to the
+        live model (vLLM's layerwise reload from the staging buffers: a copy
+        and a repack per layer). Run it with generation paused. ``wait_s``:
+        how long to wait for staging to finish first."""
+        job = self._staging
+        if job is not None and job.refit == refit and job.thread is not None:
+            job.thread.join(timeout=wait_s)
+        if not self.staging_state(refit):
+            raise ReshardError(f"engine rank {self.rank}: refit {refit} is still being staged")
+        assert job is not None and self._buffers is not None
+        with vllm_context(self.vllm_config):
+            update = _Update(self, refit)
+            t0 = time.perf_counter()
+            with self._applying(update):
+                update.load_from(self._buffers)
+                update.end()
+        self._staging = None
+        apply_s = time.perf_counter() - t0
+        self.last_stats = {
+            **job.stats.as_dict(),
+            "apply_seconds": apply_s,
+            "stage_seconds": job.seconds,
+            "refit_seconds": job.seconds + apply_s,
+            "kept_bytes": self.kept_bytes,
+            "staging_bytes": self.staging_bytes,
+            "layers_processed": update.n_processed,
+            "atomic": True,
+            "two_phase": True,
+        }
+        return self.last_stats
+
+    @contextlib.contextmanager
+    def _applying(self, update: _Update) -> Iterator[None]:
+        """Run ``update``; if it fails, put back the old weights of every layer
+        not yet processed and record whether this worker is now mixed."""
+        try:
+            yield
+        except BaseException as e:
+            try:
+                update.abort(e)
+            except MixedWeightsError:
+                self.mixed = True
+                raise
+            self.mixed = isinstance(e, MixedWeightsError)
+            raise
+        self.mixed = False
+
     def close(self) -> None:
+        job = self._staging
         self.receiver.close()
+        if job is not None and job.thread is not None:
+            job.thread.join(timeout=5)
+        self._staging = None
+        self._buffers = None
+
+
+def _model_dtype(model_config) -> str:
+    return str(model_config.dtype).removeprefix("torch.")
 
 
 def _itemsize(dtype: str) -> int:
@@ -248,8 +397,10 @@ class _Update:
         layerwise.initialize_layerwise_reload(self.owner.model)
         self.started = True
 
-    def param(self, local: str) -> torch.Tensor:
-        """The (materialized) parameter ``local`` to write into."""
+    def param(self, local: str, *, zero: bool = True) -> torch.Tensor:
+        """The (materialized) parameter ``local`` to write into (zeroed when
+        its layer is materialized, unless ``zero=False``: the caller
+        overwrites all of it)."""
         import torch
         from vllm.model_executor.model_loader.reload import layerwise
 
@@ -263,11 +414,29 @@ class _Update:
         if not layer.materialized:
             info = layerwise.LAYERWISE_INFO[layer.module]
             layerwise.materialize_layer(layer.module, info)
-            with torch.no_grad():
-                for p in layer.params:
-                    _attr(self.owner.modules, p).zero_()
+            if zero:
+                with torch.no_grad():
+                    for p in layer.params:
+                        _attr(self.owner.modules, p).zero_()
             layer.materialized = True
         return _attr(self.owner.modules, local).data
+
+    def load_from(self, buffers: Mapping[str, torch.Tensor]) -> None:
+        """Load every layer from ``buffers`` (parameter name -> tensor of its
+        checkpoint-loading shape), processing each as soon as it is loaded,
+        so at most one layer is materialized besides the buffers."""
+        import torch
+
+        self.begin()
+        with torch.no_grad():
+            for layer in self.layers.values():
+                full = all(p in buffers for p in layer.params)
+                for p in layer.params:
+                    dst = self.param(p, zero=not full)
+                    src = buffers.get(p)
+                    if src is not None:
+                        dst.copy_(src)
+                self._process(layer)
 
     def after_round(self, index: int) -> None:
         for layer in self.layers.values():
