@@ -15,6 +15,7 @@ Call order (every trainer rank, collectively with every engine worker):
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
@@ -30,6 +31,8 @@ if TYPE_CHECKING:
     import torch
 
 __all__ = ["Sender", "default_rank", "default_rename"]
+
+log = logging.getLogger("reshard")
 
 
 class Sender:
@@ -122,6 +125,8 @@ class Sender:
         self.layout = layout
         self.engine_stats: list[Any] = []
         """Every engine worker's reply to the last ``push(engines=...)``."""
+        self.last_stats: RefitStats | None = None
+        """This rank's account of its last successful push."""
         self._engines_ready: set[int] = set()
         self.session = RefitSession(
             config,
@@ -168,7 +173,7 @@ class Sender:
             _, _, tensors = self._describe()
             self.session.tensors = tensors
         if engines is None:
-            return self._push(refit, method, after_round)
+            return self._done(self._push(refit, method, after_round), method)
         if id(engines) not in self._engines_ready:
             engines.init(self.session.config)
             self._engines_ready.add(id(engines))
@@ -183,6 +188,7 @@ class Sender:
                 self.cancel(f"the engines failed: {e}")
 
         self.cancel(None)
+        self.engine_stats = []
         driver = threading.Thread(target=drive, name="reshard-drive-engines", daemon=True)
         driver.start()
         try:
@@ -197,6 +203,16 @@ class Sender:
         if errors:
             raise errors[0]
         self.engine_stats = replies[0] if replies else []
+        return self._done(stats, method)
+
+    def _done(self, stats: RefitStats, method: str) -> RefitStats:
+        self.last_stats = stats
+        if log.isEnabledFor(logging.INFO):
+            line = f"{stats.summary()} [{method}]"
+            paused = [w.stats.get("paused_seconds") for w in self.engine_stats if hasattr(w, "stats")]
+            if paused and None not in paused:
+                line += f"; engines paused generation for up to {max(paused):.3f} s"
+            log.info(line)
         return stats
 
     def _push(self, refit: int, method: str, after_round: Callable[[int], None] | None) -> RefitStats:

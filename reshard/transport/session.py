@@ -70,6 +70,17 @@ class RefitStats:
     """Wall clock (``time.time()``) when this rank entered the refit."""
     finished_at: float = 0.0
 
+    def summary(self) -> str:
+        """One line: what this rank moved, how fast, where the time went."""
+        ex = self.exec
+        moved = max(ex.bytes_sent, ex.bytes_received)
+        return (
+            f"refit {self.refit} rank {self.rank}: sent {ex.bytes_sent / 1e6:.1f} MB, received "
+            f"{ex.bytes_received / 1e6:.1f} MB in {self.total_seconds:.3f} s "
+            f"({moved / max(self.total_seconds, 1e-9) / 1e9:.2f} GB/s; plan {self.plan_seconds:.3f} s, "
+            f"agree {self.agree_seconds:.3f} s, transfer {ex.seconds:.3f} s, {ex.rounds} rounds)"
+        )
+
     def as_dict(self) -> dict:
         d = self.exec.as_dict()
         d.update(
