@@ -10,6 +10,9 @@ compared bit for bit with the source model. In the same run it times a
 plain point-to-point transfer of the same volume between two processes
 (``raw_p2p``), the bandwidth a perfect refit would reach.
 
+``reshard bench --engine vllm`` measures refits into a real engine instead
+(:mod:`reshard.tools.engine_bench`).
+
 Cases: ``default`` (trainer fsdp=2, one engine tp=2) and ``replicas``
 (trainer fsdp=2, two engine replicas tp=2 in one NVLink-like domain, so one
 leader pulls each slice across and forwards it to the other replica).
@@ -370,6 +373,11 @@ def plot(results: list[dict[str, Any]], path: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    if argv and any(a == "--engine" or a.startswith("--engine=") for a in argv):
+        # Into a real engine: see reshard.tools.engine_bench.
+        from reshard.tools.engine_bench import main as engine_main
+
+        return engine_main(argv)
     ap = argparse.ArgumentParser(
         prog="reshard bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )

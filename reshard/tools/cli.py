@@ -43,7 +43,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--round-mib", type=int, default=128, help="tensor data per round (MiB)")
     p.set_defaults(func=_plan)
-    sub.add_parser("bench", help="reshard vs gather-and-broadcast on this machine (see reshard bench --help)")
+    sub.add_parser(
+        "bench",
+        help="reshard vs gather-and-broadcast on this machine; --engine vllm: into a real engine "
+        "(see reshard bench --help)",
+    )
     sub.add_parser("demo", help="train a tiny model and hot-swap it into a vLLM engine (see reshard demo --help)")
     return parser
 
