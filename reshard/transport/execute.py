@@ -373,7 +373,20 @@ class Executor:
                 },
                 version=self.refit,
             )
-        return v.view(-1).view(torch.uint8)
+        out = v.view(-1).view(torch.uint8)
+        if out.numel() != t.nbytes:
+            # The local checks make this impossible; gloo would take a shorter
+            # message into a longer buffer without a word, so never post one.
+            slot = t.src if side == "src" else t.dst
+            raise RefitError(
+                "transfer",
+                {
+                    self.plan.rank: f"local tensor {slot.local!r}: its slice {t.box} is {out.numel()} bytes here, "
+                    f"{t.nbytes} in the plan ({t.dtype})"
+                },
+                version=self.refit,
+            )
+        return out
 
     # -- running -------------------------------------------------------------
 
