@@ -115,16 +115,56 @@ def run(
     timeout: float = 180.0,
     ranks: list[int] | None = None,
     daemon: bool = True,
+    reuse: bool = False,
 ) -> list[Outcome]:
     """Run ``fn(rank, *args)`` for each rank in its own process; collect outcomes.
 
     Processes still alive at ``timeout`` are killed and reported as hung.
-    ``daemon=False`` lets them start processes of their own.
+    ``daemon=False`` lets them start processes of their own. ``reuse``: run
+    on long-lived processes this test session shares (one set per world
+    size; process start and imports are paid once), for functions that leave
+    nothing behind (every refit group closed, no default process group). A
+    rank that answers reports exit code 0 (it did not die); a set in which a
+    process died or hung is replaced.
     """
+    if reuse and ranks is None:
+        return _run_shared(fn, world, args, timeout)
     ranks = list(range(world)) if ranks is None else ranks
     running = [spawn(fn, r, *args, daemon=daemon) for r in ranks]
     deadline = time.monotonic() + timeout
     return [r.outcome(max(0.0, deadline - time.monotonic())) for r in running]
+
+
+_SHARED: dict[int, Pool] = {}
+
+
+def _run_shared(fn: Callable, world: int, args: tuple, timeout: float) -> list[Outcome]:
+    pool = _SHARED.get(world)
+    if pool is None or not all(p.is_alive() for p in pool.procs):
+        if pool is not None:
+            pool.close()
+        pool = _SHARED[world] = Pool(world)
+    pool.submit(fn, *args)
+    out = pool.wait(timeout)
+    for o, p in zip(out, pool.procs, strict=True):
+        if p.is_alive() and (o.ok or (o.error and "no answer" not in o.error)):
+            o.exitcode = 0
+    if not all(o.exitcode == 0 for o in out):
+        # A process died or hung: never hand this set out again.
+        for p in pool.procs:
+            if p.is_alive():
+                p.kill()
+        pool.close()
+        del _SHARED[world]
+    return out
+
+
+def close_shared() -> None:
+    """Stop the shared processes (``tests/conftest.py`` does it after each
+    module, so idle ones never hold memory the engine tests need)."""
+    for pool in _SHARED.values():
+        pool.close()
+    _SHARED.clear()
 
 
 def check(outcomes: list[Outcome]) -> list[Any]:

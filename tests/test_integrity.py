@@ -139,7 +139,7 @@ def _versions(rank: int, address: str) -> list:
 
 def test_stale_replayed_and_mismatched_refit_numbers_are_rejected_on_every_rank_before_any_byte_moves():
     server = procs.StoreServer()
-    logs = procs.check(procs.run(_versions, 3, server.address))
+    logs = procs.check(procs.run(_versions, 3, server.address, reuse=True))
     for rank, log in enumerate(logs):
         ok1, replay, split, stale, ok2 = log
         assert ok1[0] == "ok" and ok2[0] == "ok"
@@ -173,7 +173,7 @@ def _disagree(rank: int, address: str) -> str:
 
 
 def test_ranks_that_disagree_on_checksums_are_refused_at_join():
-    out = procs.check(procs.run(_disagree, 2, f"127.0.0.1:{procs.free_port()}"))
+    out = procs.check(procs.run(_disagree, 2, f"127.0.0.1:{procs.free_port()}", reuse=True))
     for text in out:
         assert text.startswith("join:"), text
         assert "ranks disagree on GroupConfig.checksums: on on rank(s) 0; off on rank(s) 1" in text

@@ -156,19 +156,23 @@ def _two_by_two(rank: int, port: int, dtype: str) -> bool:
     full = global_tensor(meta)
     if rank < 2:
         local = full[rank * 32 : (rank + 1) * 32].clone()
-        Sender.from_pieces(
+        s = Sender.from_pieces(
             [PieceSpec(meta, Box((rank * 32, 0), (32, 48)), "w", (32, 48))], {"w": local}, config=cfg, rank=rank
-        ).push(1)
+        )
+        s.push(1)
+        s.close()
         return True
     j = rank - 2
     dst = torch.zeros(64, 24, dtype=full.dtype)
-    Receiver({"w": dst}, [PieceSpec(meta, Box((0, j * 24), (64, 24)), "w", (64, 24))], config=cfg, rank=rank).pull(1)
+    r = Receiver({"w": dst}, [PieceSpec(meta, Box((0, j * 24), (64, 24)), "w", (64, 24))], config=cfg, rank=rank)
+    r.pull(1)
+    r.close()
     return torch.equal(dst.view(torch.uint8), full[:, j * 24 : (j + 1) * 24].contiguous().view(torch.uint8))
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32", "int8", "float8_e4m3fn"])
 def test_dtypes_row_split_to_column_split(dtype):
-    assert procs.check(procs.run(_two_by_two, 4, procs.free_port(), dtype)) == [True] * 4
+    assert procs.check(procs.run(_two_by_two, 4, procs.free_port(), dtype, reuse=True)) == [True] * 4
 
 
 def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -234,7 +238,7 @@ def _both_methods(rank: int, address: str) -> list[bool]:
 
 def test_gather_broadcast_baseline_behind_the_same_interface():
     server = procs.StoreServer()
-    out = procs.check(procs.run(_both_methods, 5, server.address))
+    out = procs.check(procs.run(_both_methods, 5, server.address, reuse=True))
     assert out[2:] == [[True] * 4] * 3
 
 
@@ -250,30 +254,34 @@ def _staging(rank: int, address: str) -> dict:
     budget = 256 << 10
     if rank < 2:
         local = full[rank * 512 : (rank + 1) * 512].clone()
-        st = Sender.from_pieces(
+        s = Sender.from_pieces(
             [PieceSpec(meta, Box((rank * 512, 0), (512, 1024)), "w", (512, 1024))],
             {"w": local},
             config=cfg,
             rank=rank,
             budget_bytes=budget,
-        ).push(1)
+        )
+        st = s.push(1)
+        s.close()
         return {"peak": st.exec.peak_staging_bytes, "budget": budget, "ok": True}
     j = rank - 2
     dst = torch.zeros(1024, 512)
-    st = Receiver(
+    r = Receiver(
         {"w": dst},
         [PieceSpec(meta, Box((0, j * 512), (1024, 512)), "w", (1024, 512))],
         config=cfg,
         rank=rank,
         budget_bytes=budget,
-    ).pull(1)
+    )
+    st = r.pull(1)
+    r.close()
     ok = _same_bits(dst, full[:, j * 512 : (j + 1) * 512])
     return {"peak": st.exec.peak_staging_bytes, "budget": budget, "ok": ok, "slice": dst.numel() * 4}
 
 
 def test_staging_stays_within_the_budget_and_never_holds_a_whole_slice():
     server = procs.StoreServer()
-    out = procs.check(procs.run(_staging, 4, server.address))
+    out = procs.check(procs.run(_staging, 4, server.address, reuse=True))
     for o in out:
         assert o["ok"]
         assert 0 < o["peak"] <= o["budget"]
@@ -325,7 +333,7 @@ def _casts(rank: int, port: int, src_dtype: str, dst_dtype: str, rows: int) -> d
 @pytest.mark.parametrize("rows", [8, 2048])
 @pytest.mark.parametrize(("src", "dst"), [("bfloat16", "float32"), ("float32", "bfloat16"), ("float16", "bfloat16")])
 def test_float_dtypes_cast_on_arrival_bit_exactly(src, dst, rows):
-    out = procs.check(procs.run(_casts, 4, procs.free_port(), src, dst, rows))
+    out = procs.check(procs.run(_casts, 4, procs.free_port(), src, dst, rows, reuse=True))
     nbytes = rows // 2 * 256 * getattr(torch, src).itemsize
     for r in out[2:]:
         same, casts, received = r["reshard"]

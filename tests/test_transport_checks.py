@@ -106,7 +106,7 @@ def test_a_bad_local_tensor_fails_every_rank_at_plan_and_the_next_refit_works(ca
     if case == "shape" and size == "small":
         needle = needle.replace("[513, 512]", "[5, 6]").replace("[512, 512]", "[4, 6]")
     server = procs.StoreServer()
-    outcomes = procs.run(_fault_scenario, 4, server.address, case, side, size, timeout=120)
+    outcomes = procs.run(_fault_scenario, 4, server.address, case, side, size, timeout=120, reuse=True)
     assert [o.exitcode for o in outcomes] == [0, 0, 0, 0], [(o.exitcode, o.error) for o in outcomes]
     results = procs.check(outcomes)
     for r in results:
@@ -201,7 +201,7 @@ def test_per_rank_budgets_and_rounds_give_one_agreed_plan():
     plan step with a clear error; never hung, never aborted."""
     cases = _collect(30)
     server = procs.StoreServer()
-    outcomes = procs.run(_knobs_scenario, 4, server.address, cases, timeout=600)
+    outcomes = procs.run(_knobs_scenario, 4, server.address, cases, timeout=600, reuse=True)
     assert [o.exitcode for o in outcomes] == [0, 0, 0, 0], [(o.exitcode, o.error) for o in outcomes]
     results = procs.check(outcomes)
     # Every rank reached the same verdict on every case.
@@ -230,7 +230,7 @@ def _split_scenario(rank: int, address: str) -> dict:
 
 def test_a_rank_with_another_role_split_is_refused_at_join():
     server = procs.StoreServer()
-    results = procs.check(procs.run(_split_scenario, 4, server.address))
+    results = procs.check(procs.run(_split_scenario, 4, server.address, reuse=True))
     for r in results:
         assert r["step"] == "join", r
         assert "ranks disagree on the group's role split" in r["error"], r["error"]

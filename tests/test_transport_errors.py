@@ -71,7 +71,7 @@ def _scenario(rank: int, address: str, case: str) -> dict:
 )
 def test_bad_layouts_fail_on_every_rank_before_any_byte_moves(case, needle):
     server = procs.StoreServer()
-    results = procs.check(procs.run(_scenario, 4, server.address, case))
+    results = procs.check(procs.run(_scenario, 4, server.address, case, reuse=True))
     for r in results:
         assert r.get("step") == "plan", r
         assert needle in r["error"], r["error"]
