@@ -1,5 +1,6 @@
 """Every tiny architecture of the zoo, refit into a real bf16 vLLM engine at
-TP=1 and TP=2 from 2 FSDP2 trainer ranks (see ``tests/zoo_support.py``).
+TP=1 and TP=2 from 2 FSDP2 trainer ranks (see ``tests/zoo_support.py``);
+two configurations also take a two-phase refit.
 
 The zoo runs once per session (about 10 minutes on a 2-core machine); each
 test below reads its configuration's results.
@@ -11,7 +12,7 @@ import pytest
 
 from reshard.testing.tiny import NONDETERMINISTIC
 
-from .zoo_support import ZOO, Zoo, build_zoo
+from .zoo_support import TWO_PHASE, ZOO, Zoo, build_zoo
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
@@ -111,3 +112,36 @@ RULES_COVER = set(ZOO) - {"deepseek_v2", "gpt2", "phi3", "starcoder2"}
 and DeepSeek-V3-style checkpoints. Not: checkpoints that fuse tensors
 themselves (Phi-3's qkv_proj, GPT-2's transposed Conv1D c_attn), other MLP
 names (Starcoder2's c_fc / c_proj) and MLA without q-LoRA."""
+
+
+@pytest.fixture(params=sorted(TWO_PHASE), ids=[f"{k}-tp{t}" for k, t in sorted(TWO_PHASE)])
+def staged(request, zoo):
+    r = zoo[request.param]
+    assert "error" not in r, r["error"]
+    assert r["staged"]["error"] is None, r["staged"]["error"]
+    assert all("error" not in t for t in r["staged"]["trainers"]), r["staged"]["trainers"]
+    return r
+
+
+def test_two_phase_refit_gives_a_fresh_engines_tokens(staged):
+    assert staged["after_staged"] == staged["fresh_v2"]
+
+
+def test_two_phase_lands_the_parameters_of_an_in_place_refit_and_of_vllms_reload(staged):
+    ours, inplace, ref = staged["staged"]["digests"], staged["refit"]["digests"], staged["reference"]
+    assert len(ours) == len(inplace) == len(ref) == staged["tp"]
+    for w_ours, w_inplace, w_ref in zip(ours, inplace, ref, strict=True):
+        assert w_ours == w_inplace
+        assert w_ref.keys() <= w_ours.keys()
+        assert not sorted(k for k in w_ref if w_ours[k] != w_ref[k])
+
+
+def test_two_phase_stats_say_what_was_staged(staged):
+    r = staged["staged"]
+    for stats, init in zip(r["stats"], r["init"], strict=True):
+        assert stats["two_phase"] and stats["atomic"]
+        assert stats["bytes_received"] == stats["kept_bytes"] == init["kept_bytes"]
+        # One staging buffer per parameter: what the worker keeps, plus the
+        # zeroed padding no piece writes (vocabulary padding).
+        assert stats["staging_bytes"] >= stats["kept_bytes"]
+    assert sum(t["sent"] for t in r["trainers"]) == sum(s["bytes_received"] for s in r["stats"])

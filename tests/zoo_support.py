@@ -14,7 +14,11 @@ One configuration (architecture, TP):
 4. vLLM's own reload of v2, captured the same way: every parameter must
    equal what the refit wrote (a parameter the refit never wrote would still
    hold v1's bytes, or miss from the capture);
-5. the worker's learned layout, for the plan-rule check.
+5. the worker's learned layout, for the plan-rule check;
+6. for the configurations in ``TWO_PHASE``: back to v1 by vLLM's reload,
+   then a two-phase refit to v2 (staged while the engine could serve, then
+   committed), captured the same way: it must land what the in-place refit
+   and vLLM's reload did.
 
 The refit checks bytes: every worker receives exactly what it keeps, the
 trainers send exactly what the workers receive.
@@ -29,6 +33,9 @@ from typing import Any
 from reshard.testing.tiny import TINY, build_tiny_model
 
 ZOO = sorted(TINY)
+TWO_PHASE = {("qwen2_moe", 2), ("llama", 1)}
+"""Configurations refit a second time with a two-phase refit (stage, then
+commit): MoE experts repacked on CPU at TP=2, tied embeddings at TP=1."""
 
 _state: dict[str, Any] = {}
 """Per pool process: the engine being tested, the trainer's default group."""
@@ -209,6 +216,12 @@ class Zoo:
             out["after"] = self.host.call(engine_greedy)[0]
             out["learned"] = self.host.call(engine_learned)[0]
             out["reference"] = self.host.call(engine_reload, v2)[0]
+            if (kind, tp) in TWO_PHASE:
+                # The same again, two-phase: back to v1 by vLLM's reload, then
+                # stage v2 and commit it, every parameter captured as it lands.
+                self.host.call(engine_load, v1)
+                out["staged"] = self._refit(v2, tp, 2, capture=True, two_phase=True)
+                out["after_staged"] = self.host.call(engine_greedy)[0]
         except Exception as e:
             out["error"] = f"{type(e).__name__}: {e}"
         finally:
