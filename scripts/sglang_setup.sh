@@ -158,12 +158,11 @@ zstandard==0.25.0
 LOCK
 
 # 1. torch 2.14.1 (its nvidia-* / triton deps come along) and torchvision
-# --no-compile: modules are byte-compiled when first imported, not all at install.
-$PIP install --no-compile -c "$TMP/constraints.txt" torch==2.14.1 torchvision==0.29.1
+$PIP install -c "$TMP/constraints.txt" torch==2.14.1 torchvision==0.29.1
 # 2. sglang itself, without its CUDA-heavy declared requirements
-$PIP install --no-compile --no-deps sglang==0.5.23
+$PIP install --no-deps sglang==0.5.23
 # 3. what importing sglang.srt and serving on CPU needs
-$PIP install --no-compile -c "$TMP/constraints.txt" \
+$PIP install -c "$TMP/constraints.txt" \
   aiohttp fastapi uvicorn uvloop orjson pyzmq psutil requests tqdm \
   transformers==5.19.0 tokenizers==0.23.2 pydantic numpy pybase64 msgspec setproctitle \
   prometheus-client python-multipart partial_json_parser interegular einops xxhash zstandard \
@@ -178,7 +177,7 @@ mkdir -p "$SP/vllm"
 : > "$SP/vllm/__init__.py"
 printf 'def rotary_embedding(*args, **kwargs):\n    raise NotImplementedError("vllm._custom_ops stub")\n' > "$SP/vllm/_custom_ops.py"
 # 5. reshard from this checkout (its hook runs inside SGLang's workers)
-$PIP install --no-compile --no-deps -e "$REPO"
+$PIP install --no-deps -e "$REPO"
 # 6. smoke test
 (cd / && "$VENV/bin/python" -W ignore -c "
 import sglang, torch, sglang.srt.entrypoints.http_server
