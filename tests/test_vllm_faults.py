@@ -47,7 +47,8 @@ def test_trainer_crash_mid_transfer_default_mode_is_never_silent(run):
     # their new weights. The worker says so, in the error and in its status.
     c = run["default"]["crashed"]
     assert c["exitcode"] == 3
-    assert c["error"] is not None and c["seconds"] < 60
+    # Well before a hang (the span includes the trainer process starting up).
+    assert c["error"] is not None and c["seconds"] < 120
     assert c["status"]["mixed"]
     assert "mixes old and new weights until a refit succeeds" in c["error"]
 
@@ -55,7 +56,7 @@ def test_trainer_crash_mid_transfer_default_mode_is_never_silent(run):
 def test_trainer_crash_mid_transfer_atomic_mode_keeps_every_old_weight(run):
     c = run["atomic"]["crashed"]
     assert c["exitcode"] == 3
-    assert c["error"] is not None and c["seconds"] < 60
+    assert c["error"] is not None and c["seconds"] < 120
     assert not c["status"]["mixed"]
     assert c["same_as_before"]
 
