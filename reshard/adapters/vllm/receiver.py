@@ -30,7 +30,6 @@ the worker keeps (:attr:`VllmReceiver.kept_bytes`), kept for the next refit.
 from __future__ import annotations
 
 import contextlib
-import logging
 import threading
 import time
 from collections.abc import Iterator, Mapping
@@ -51,8 +50,6 @@ if TYPE_CHECKING:
     import torch
 
 __all__ = ["VllmReceiver", "canonical_tensors_of"]
-
-log = logging.getLogger("reshard")
 
 
 def canonical_tensors_of(model_config, vllm_config=None) -> list[TensorMeta]:
