@@ -93,7 +93,7 @@ def main() -> int:
                     prm.add_(torch.randn_like(prm) * 0.05)  # stands in for an optimizer step
             sender.push(step, engines=engines)
             (worker,) = sender.engine_stats
-            print(f"step {step}: the TP worker received {worker.stats['bytes_received'] / 1e6:.1f} MB")
+            print(f"step {step}: the TP worker received {worker.bytes_received / 1e6:.1f} MB")
         sender.close()
         after = generate(url, prompt)
     finally:

@@ -47,7 +47,7 @@ def main() -> int:
             (worker,) = sender.engine_stats
             print(
                 f"step {step}: sent {stats.exec.bytes_sent / 1e6:.1f} MB; the worker received "
-                f"{worker.stats['bytes_received'] / 1e6:.1f} MB in {worker.stats['refit_seconds']:.3f} s"
+                f"{worker.bytes_received / 1e6:.1f} MB in {worker.refit_seconds:.3f} s"
             )
         sender.close()
         after = completion(url, prompt)

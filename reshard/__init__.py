@@ -22,6 +22,7 @@ from reshard.plan import (
 from reshard.plan.specs import GridSpec, PieceSpec
 from reshard.receiver import Receiver
 from reshard.sender import Sender
+from reshard.sender.engines import EngineStats
 from reshard.transport.group import GroupConfig
 from reshard.transport.session import RefitStats
 
@@ -29,6 +30,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Box",
+    "EngineStats",
     "Grid",
     "GridSpec",
     "GroupConfig",

@@ -149,7 +149,7 @@ def sglang_trainer_push(
         try:
             if drive and rank == 0:
                 st = sender.push(refit, engines=SglangEngines([drive]))
-                engine_stats = [r.to_builtins() for r in sender.engine_stats]
+                engine_stats = [r.to_builtins() for r in sender.engine_replies]
             else:
                 st = sender.push(refit)
                 engine_stats = None

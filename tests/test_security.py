@@ -120,7 +120,7 @@ def test_a_rank_with_another_token_is_refused_and_can_neither_read_nor_inject():
 
     raw = TCPStore("127.0.0.1", port, None, False, timeout=datetime.timedelta(seconds=5))
     keys = raw.list_keys()
-    layout_keys = [k for k in keys if k.endswith("/layout/1")]
+    layout_keys = [k for k in keys if k.endswith("/layout/join/1")]
     assert layout_keys
     other = job_keys("token-B", "reshard", 0)
     for k in keys:
@@ -132,7 +132,7 @@ def test_a_rank_with_another_token_is_refused_and_can_neither_read_nor_inject():
             other.open(k.split("/", 4)[-1], value)
     # A value written without the token is refused by the legit ranks.
     group = legit["sender"].session.group
-    name = "layout/1"
+    name = "layout/join/1"
     forged = wire.RankLayout(rank=1, table="00" * 16)
     full = layout_keys[0]
     for value in (other.seal(f"e{group.epoch}/{name}", wire.encode(forged)), wire.encode(forged)):

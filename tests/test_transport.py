@@ -341,3 +341,70 @@ def test_float_dtypes_cast_on_arrival_bit_exactly(src, dst, rows):
         assert casts == {f"{src}->{dst}": nbytes}
         assert received == nbytes
         assert r["gather_broadcast"][0]
+
+
+def _relayouts(rank: int, address: str) -> list[tuple[bool, int]]:
+    """Layouts that change between refits, on one rank or on either side: every
+    rank replans (or takes the plan cached for those layouts, also on a group
+    rebuilt after ``close``) and the bytes land where the new layouts say."""
+    from reshard.plan.box import Box
+    from reshard.plan.specs import PieceSpec, build_layout
+
+    meta = TensorMeta("w", (64, 48), "float32")
+    cfg = GroupConfig(address=address, num_sources=2, num_destinations=2, timeout_s=60, host_store=False)
+
+    def version(n: int) -> torch.Tensor:
+        return torch.randn(64, 48, generator=torch.Generator().manual_seed(n))
+
+    def rows(r: int, lo: int, n: int, full: torch.Tensor) -> tuple[list[PieceSpec], dict[str, torch.Tensor]]:
+        return [PieceSpec(meta, Box((lo, 0), (n, 48)), "w", (n, 48))], {"w": full[lo : lo + n].clone()}
+
+    # Refit n: (source rank 1 holds the whole tensor?, receivers split columns?)
+    steps = {1: (False, False), 2: (False, False), 3: (True, False), 4: (True, False), 5: (False, False)}
+    steps[6] = (False, True)
+    out: list[tuple[bool, int]] = []
+    if rank < 2:
+        pieces, tensors = rows(rank, rank * 32, 32, version(1))
+        s = Sender.from_pieces(pieces, tensors, config=cfg, rank=rank)
+        for n, (whole, _) in steps.items():
+            if n == 4:
+                s.close()  # the next push joins a rebuilt group
+            if rank == 1:
+                pieces, tensors = rows(rank, 0, 64, version(n)) if whole else rows(rank, 32, 32, version(n))
+                s.set_layout(build_layout(rank, pieces), tensors)
+            else:
+                s.session.tensors["w"].copy_(version(n)[:32])
+            s.push(n)
+            out.append((True, s.session.plans_made))
+        s.close()
+        return out
+    j = rank - 2
+    r = None
+    for n, (_, columns) in steps.items():
+        box = Box((0, j * 24), (64, 24)) if columns else Box((j * 32, 0), (32, 48))
+        piece = PieceSpec(meta, box, "w", box.sizes)
+        dst = torch.zeros(box.sizes)
+        if r is None:
+            r = Receiver({"w": dst}, [piece], config=cfg, rank=rank)
+        else:
+            if n == 4:
+                r.close()
+            r.set_layout(build_layout(rank, [piece]), {"w": dst})
+        r.pull(n)
+        want = version(n)[tuple(slice(o, o + k) for o, k in zip(box.offsets, box.sizes, strict=True))]
+        out.append((torch.equal(dst, want), r.session.plans_made))
+    assert r is not None
+    r.close()
+    return out
+
+
+def test_a_layout_change_on_any_rank_replans_and_plans_are_cached_by_layouts():
+    server = procs.StoreServer()
+    out = procs.check(procs.run(_relayouts, 4, server.address, reuse=True))
+    for rank, per_refit in enumerate(out):
+        assert all(ok for ok, _ in per_refit), (rank, per_refit)
+        # Plans made by refit 1..6: the same layouts reuse the plan (2), one
+        # source's change replans everywhere (3), a rebuilt group with those
+        # layouts (4) and the change undone (5) hit the cache, a change on
+        # the engine side replans (6).
+        assert [made for _, made in per_refit] == [1, 1, 2, 2, 2, 3], (rank, per_refit)

@@ -50,6 +50,7 @@ __all__ = [
     "cast_ok",
     "dtype_size",
     "grid_box",
+    "layout_digest",
     "table_digest",
     "zeros",
 ]
@@ -222,6 +223,15 @@ class Layout(msgspec.Struct, frozen=True, kw_only=True):
 def table_digest(tensors: Sequence[TensorMeta]) -> str:
     """A content id for a tensor table (layouts that share it share grids)."""
     return hashlib.blake2b(msgspec.msgpack.encode(tuple(tensors)), digest_size=16).hexdigest()
+
+
+def layout_digest(layout: Layout, *, table: str | None = None) -> str:
+    """A content id for everything a rank publishes (a plan depends on nothing
+    else of it): equal digests on every rank mean a cached plan still holds.
+    ``table``: the table's digest, when known."""
+    table = table or table_digest(layout.tensors)
+    body = (layout.rank, table, layout.locals, layout.pieces, layout.grids)
+    return hashlib.blake2b(msgspec.msgpack.encode(body), digest_size=16).hexdigest()
 
 
 def grid_box(grid: Grid, shape: Sequence[int], coord: Sequence[int]) -> Box:

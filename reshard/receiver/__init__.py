@@ -47,6 +47,7 @@ class Receiver:
         budget_bytes: int = DEFAULT_BUDGET_BYTES,
         round_bytes: int | None = None,
         check_tensors: bool = True,
+        progress: bool | None = None,
     ) -> None:
         """``tensors``: local name -> tensor (a mapping may materialize
         tensors lazily; then pass ``check_tensors=False``, and each tensor is
@@ -72,11 +73,20 @@ class Receiver:
             budget_bytes=budget_bytes,
             round_bytes=round_bytes,
             lazy=not check_tensors,
+            progress=progress,
         )
 
     def connect(self) -> None:
         """Join the refit group now (``pull`` does it on first use)."""
         self.session.connect()
+
+    def set_layout(self, layout: Layout, tensors: Mapping[str, torch.Tensor] | None = None) -> bool:
+        """Keep ``layout`` (into ``tensors``, when given) from the next pull
+        on; returns whether it changed (then every rank replans)."""
+        changed = self.session.set_layout(layout, tensors)
+        if changed:
+            self.layout = layout
+        return changed
 
     def pull(
         self,

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from reshard.plan.layout import Layout
 from reshard.plan.specs import GridSpec, PieceSpec, build_layout
-from reshard.sender.engines import Engines
+from reshard.sender.engines import Engines, EngineStats
 from reshard.sender.pieces import default_rename, describe_module
 from reshard.transport.group import GroupConfig
 from reshard.transport.session import DEFAULT_BUDGET_BYTES, RefitSession, RefitStats
@@ -51,6 +51,7 @@ class Sender:
         device: torch.device | str | None = None,
         budget_bytes: int = DEFAULT_BUDGET_BYTES,
         round_bytes: int | None = None,
+        progress: bool | None = None,
     ) -> None:
         """``source``: a module (parameters and persistent buffers) or a dict
         of named tensors. ``rank``: this trainer rank (default: the rank in
@@ -60,7 +61,9 @@ class Sender:
         model type whose checkpoint conversion splits fused parameters
         (default: ``source.config.model_type`` when present).
         ``source_rank_of`` maps a DTensor mesh rank (a rank of the trainer's
-        default group) to its refit rank (default: the same number)."""
+        default group) to its refit rank (default: the same number).
+        ``progress``: draw a progress line during long refits (default: on
+        refit rank 0 when stderr is a terminal)."""
         if rank is None:
             rank = default_rank()
         if rank >= config.num_sources:
@@ -77,7 +80,7 @@ class Sender:
         )
         pieces, grids, tensors = self._describe()
         layout = build_layout(rank, pieces, grids)
-        self._init(config, rank, layout, tensors, device, budget_bytes, round_bytes)
+        self._init(config, rank, layout, tensors, device, budget_bytes, round_bytes, progress)
 
     @classmethod
     def from_pieces(
@@ -91,12 +94,15 @@ class Sender:
         device: torch.device | str | None = None,
         budget_bytes: int = DEFAULT_BUDGET_BYTES,
         round_bytes: int | None = None,
+        progress: bool | None = None,
     ) -> Sender:
         """A sender for an explicit layout: ``pieces`` say which box of which
         canonical tensor sits where in ``tensors`` (local name -> tensor)."""
         self = cls.__new__(cls)
         self._describe = None
-        self._init(config, rank, build_layout(rank, pieces, grids), tensors, device, budget_bytes, round_bytes)
+        self._init(
+            config, rank, build_layout(rank, pieces, grids), tensors, device, budget_bytes, round_bytes, progress
+        )
         return self
 
     @classmethod
@@ -109,22 +115,25 @@ class Sender:
         device: torch.device | str | None = None,
         budget_bytes: int = DEFAULT_BUDGET_BYTES,
         round_bytes: int | None = None,
+        progress: bool | None = None,
     ) -> Sender:
         """A sender for a ready-made :class:`Layout` (pieces and grids)."""
         self = cls.__new__(cls)
         self._describe = None
-        self._init(config, layout.rank, layout, tensors, device, budget_bytes, round_bytes)
+        self._init(config, layout.rank, layout, tensors, device, budget_bytes, round_bytes, progress)
         return self
 
-    def _init(self, config, rank, layout: Layout, tensors, device, budget_bytes, round_bytes) -> None:
+    def _init(self, config, rank, layout: Layout, tensors, device, budget_bytes, round_bytes, progress) -> None:
         # Local tensors are checked against the layout at every push, where a
         # problem reaches every rank of the refit instead of only this one.
         if device is None:
             device = next(iter(tensors.values())).device if tensors else "cpu"
         self.rank = rank
         self.layout = layout
-        self.engine_stats: list[Any] = []
-        """Every engine worker's reply to the last ``push(engines=...)``."""
+        self.engine_stats: list[EngineStats] = []
+        """Every engine worker's account of the last ``push(engines=...)``."""
+        self.engine_replies: list[Any] = []
+        """Every engine worker's reply to it, as the engines returned them."""
         self.last_stats: RefitStats | None = None
         """This rank's account of its last successful push."""
         self._engines_ready: set[int] = set()
@@ -136,11 +145,23 @@ class Sender:
             device=device,
             budget_bytes=budget_bytes,
             round_bytes=round_bytes,
+            progress=progress,
         )
 
     def connect(self) -> None:
         """Join the refit group now (``push`` does it on first use)."""
         self.session.connect()
+
+    def set_layout(self, layout: Layout, tensors: Mapping[str, torch.Tensor]) -> bool:
+        """Hold ``tensors`` laid out as ``layout`` from the next push on (a
+        sender built from a module does this itself at every push). Returns
+        whether the layout changed; then every rank of the next refit reads
+        it again and plans anew (or reuses the plan cached for these layouts)."""
+        changed = self.session.set_layout(layout, tensors)
+        if changed:
+            self.layout = layout
+            log.info("reshard sender rank %d: its layout changed; the next refit replans", self.rank)
+        return changed
 
     def cancel(self, reason: str | None) -> None:
         """Make this rank's refit in progress (or its next one) fail at once,
@@ -165,13 +186,15 @@ class Sender:
         drive, e.g. ``VllmEngines(["http://host:8000"])``; they are set up
         on first use and told to pull this refit while this rank pushes, so
         this one call does the whole update. The engines' per-worker stats
-        are in ``self.engine_stats`` afterwards."""
+        are in ``self.engine_stats`` afterwards (typed :class:`EngineStats`;
+        the raw replies in ``self.engine_replies``)."""
         if method not in ("reshard", "gather_broadcast"):
             raise ValueError(f"unknown refit method {method!r}; use 'reshard' or 'gather_broadcast'")
         if self._describe is not None:
-            # Local shards are re-read each time: a trainer may have replaced them.
-            _, _, tensors = self._describe()
-            self.session.tensors = tensors
+            # Local shards are re-read each time: a trainer may have replaced
+            # them, or resharded them (then every rank replans).
+            pieces, grids, tensors = self._describe()
+            self.set_layout(build_layout(self.rank, pieces, grids), tensors)
         if engines is None:
             return self._done(self._push(refit, method, after_round), method)
         if id(engines) not in self._engines_ready:
@@ -189,6 +212,7 @@ class Sender:
 
         self.cancel(None)
         self.engine_stats = []
+        self.engine_replies = []
         driver = threading.Thread(target=drive, name="reshard-drive-engines", daemon=True)
         driver.start()
         try:
@@ -202,15 +226,16 @@ class Sender:
         driver.join()
         if errors:
             raise errors[0]
-        self.engine_stats = replies[0] if replies else []
+        self.engine_replies = replies[0] if replies else []
+        self.engine_stats = [EngineStats.of(r) for r in self.engine_replies]
         return self._done(stats, method)
 
     def _done(self, stats: RefitStats, method: str) -> RefitStats:
         self.last_stats = stats
         if log.isEnabledFor(logging.INFO):
             line = f"{stats.summary()} [{method}]"
-            paused = [w.stats.get("paused_seconds") for w in self.engine_stats if hasattr(w, "stats")]
-            if paused and None not in paused:
+            paused = [w.paused_seconds for w in self.engine_stats if w.paused_seconds is not None]
+            if paused and len(paused) == len(self.engine_stats):
                 line += f"; engines paused generation for up to {max(paused):.3f} s"
             log.info(line)
         return stats

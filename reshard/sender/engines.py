@@ -11,9 +11,60 @@ from __future__ import annotations
 
 from typing import Any, Protocol, runtime_checkable
 
+import msgspec
+
 from reshard.transport.group import GroupConfig
 
-__all__ = ["Engines"]
+__all__ = ["EngineStats", "Engines"]
+
+
+class EngineStats(msgspec.Struct, kw_only=True):
+    """One engine worker's account of one refit, typed (``Sender.engine_stats``).
+
+    Built from the ``stats`` of the worker's reply; a field an engine does
+    not report keeps its default."""
+
+    rank: int = -1
+    """The worker's refit rank."""
+    refit: int = 0
+    bytes_received: int = 0
+    bytes_sent: int = 0
+    bytes_copied: int = 0
+    """Bytes the worker copied from itself (a slice it both holds and keeps)."""
+    messages_received: int = 0
+    rounds: int = 0
+    peak_staging_bytes: int = 0
+    kept_bytes: int = 0
+    """Bytes of checkpoint tensors this worker keeps: what a refit must bring."""
+    casts: dict[str, int] = {}
+    """Bytes cast on arrival, by ``"src->dst"`` dtype pair."""
+    plan_seconds: float = 0.0
+    agree_seconds: float = 0.0
+    transfer_seconds: float = msgspec.field(default=0.0, name="seconds")
+    total_seconds: float = 0.0
+    """The worker's refit session, from entering the refit to its end."""
+    apply_seconds: float = 0.0
+    """The engine's own apply (layerwise processing, repacking) of the new weights."""
+    refit_seconds: float = 0.0
+    """The whole refit on the worker: receive and apply."""
+    two_phase: bool = False
+    """Received into staging buffers while the engine served, then applied."""
+    stage_seconds: float = 0.0
+    staging_bytes: int = 0
+    paused_seconds: float | None = None
+    """How long the engine's generation was paused (``None``: not reported)."""
+    engine_seconds: float | None = None
+    """The driver's whole call, pause and resume included."""
+    atomic: bool = False
+    """A failure would have put the old weights back."""
+    layers_processed: int = 0
+
+    @classmethod
+    def of(cls, reply: Any) -> EngineStats:
+        """The stats of a worker's reply (an object with ``rank`` and ``stats``)."""
+        stats = dict(getattr(reply, "stats", None) or {})
+        stats.setdefault("rank", getattr(reply, "rank", -1))
+        return msgspec.convert(stats, cls, strict=False)
 
 
 @runtime_checkable

@@ -126,7 +126,7 @@ def _trainer(
                     st = sender.push(refit, method=method, engines=engines if rank == 0 else None)
                     seconds = time.perf_counter() - t0
                     if rank == 0:
-                        got = [w.stats["bytes_received"] for w in sender.engine_stats]
+                        got = [w.bytes_received for w in sender.engine_stats]
                         row[method] = {"seconds": seconds, "worker_bytes": got, "sent": st.exec.bytes_sent}
                 if step:
                     # The check (not part of a refit): the trainer's full weights.

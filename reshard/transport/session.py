@@ -11,8 +11,13 @@ Shared by :class:`reshard.Sender` (trainer ranks) and
       than the last one that succeeded on any rank; otherwise every rank
       raises :class:`RefitError` (step ``version``) before any byte moves.
       A rank whose group another rank rebuilt (a newer epoch) rejoins first.
-   a. plan this rank (cached while layouts stay the same) and check what
-      the plan touches;
+      The ``enter`` statuses carry every rank's layout digest: a rank whose
+      layout changed since the others last read it (:meth:`set_layout`)
+      publishes it again and every rank reads it before planning.
+   a. plan this rank and check what the plan touches. Plans are cached by
+      the digests of every rank's layout, the domains and the round sizes, so
+      a refit whose inputs were planned before (the next refit, a group
+      rebuilt after a failure, layouts that changed back) does not replan;
    b. agree on step ``plan``: every rank's problems reach every rank, which
       all raise :class:`RefitError` before any byte moves; if a rank's
       busiest round needs more staging than the budget, every rank replans
@@ -27,7 +32,9 @@ Shared by :class:`reshard.Sender` (trainer ranks) and
 
 from __future__ import annotations
 
+import logging
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -36,23 +43,28 @@ from reshard.errors import MetadataError, PlanError, Problem, RefitError, span
 from reshard.plan.checks import check_locals
 from reshard.plan.index import LayoutSet, gc_paused
 from reshard.plan.items import RankPlan
-from reshard.plan.layout import Layout, TensorMeta, table_digest
+from reshard.plan.layout import Layout, TensorMeta, layout_digest, table_digest
 from reshard.plan.planner import Planner
 from reshard.plan.rounds import DEFAULT_ROUND_BYTES
 from reshard.transport import wire
 from reshard.transport.baseline import gather_broadcast
 from reshard.transport.execute import BIG_BYTES, DEFAULT_BUDGET_BYTES, ExecStats, Executor, link_summary, staging_need
 from reshard.transport.group import ABORT_GRACE_S, EpochMoved, GroupConfig, RefitGroup
+from reshard.transport.progress import Progress, wants_progress
 
 if TYPE_CHECKING:
     import torch
 
 __all__ = ["ABORT_GRACE_S", "DEFAULT_BUDGET_BYTES", "RefitSession", "RefitStats"]
 
+log = logging.getLogger(__name__)
+
 _PLAN_ATTEMPTS = 8
 """Times a refit shrinks its rounds to fit every rank's staging budget."""
 _REJOINS = 4
 """Rebuilds a refit follows before giving up (each is another rank's rejoin)."""
+_PLANS_KEPT = 4
+"""Plans a session keeps, keyed by what they were planned from."""
 
 
 @dataclass(slots=True)
@@ -108,9 +120,13 @@ class RefitSession:
         round_bytes: int | None = None,
         big_bytes: int = BIG_BYTES,
         lazy: bool = False,
+        progress: bool | None = None,
     ) -> None:
         """``lazy``: ``tensors`` materializes tensors on demand (an engine's
-        parameters), so they are checked one by one as a refit touches them."""
+        parameters), so they are checked one by one as a refit touches them.
+        ``progress``: draw a progress line for long refits
+        (:mod:`reshard.transport.progress`; ``None``: on refit rank 0 when
+        its stderr is a terminal)."""
         if layout.rank != rank:
             raise ValueError(f"layout is for rank {layout.rank}, session for rank {rank}")
         if budget_bytes <= 0:
@@ -130,6 +146,7 @@ class RefitSession:
         smallest any rank asked for (see :meth:`RefitGroup.plan_inputs`)."""
         self.round_bytes, self.big_bytes = self._asked
         self.lazy = lazy
+        self.progress = progress
         self._cancelled: str | None = None
         self.budgets: dict[int, int] = {}
         """Every rank's staging budget, as published when it joined."""
@@ -138,13 +155,37 @@ class RefitSession:
         self._plan: RankPlan | None = None
         self.last_refit = 0
         """The last refit that succeeded on this rank."""
+        self._digest = layout_digest(layout)
         self._layouts: dict[int, Layout] = {}
+        self._read: dict[int, str] = {}
+        """The digest of every rank's layout as this rank last read it."""
+        self._sets: tuple[tuple[str, ...], LayoutSet, LayoutSet] | None = None
+        self._plans: OrderedDict[tuple, _Planned] = OrderedDict()
+        self.plans_made = 0
+        """Plans this session computed (the others came from its cache)."""
         self.broadcast_groups: dict[int, object] = {}
         """The baseline's broadcast groups (one per root), as long as the refit group lives."""
 
     @property
     def is_source(self) -> bool:
         return self.rank < self.config.num_sources
+
+    def set_layout(self, layout: Layout, tensors: Mapping[str, torch.Tensor] | None = None) -> bool:
+        """Refit with ``layout`` (and ``tensors``, when given) from the next
+        refit on; returns whether the layout changed. Every rank notices the
+        change at that refit's ``enter`` step and reads this rank's layout
+        again before planning (one rank's call is enough; nothing is sent on
+        the old plan)."""
+        if layout.rank != self.rank:
+            raise ValueError(f"layout is for rank {layout.rank}, session for rank {self.rank}")
+        if tensors is not None:
+            self.tensors = tensors
+        digest = layout_digest(layout)
+        if digest == self._digest:
+            return False
+        self.layout = layout
+        self._digest = digest
+        return True
 
     # -- 1. connect ----------------------------------------------------------
 
@@ -174,36 +215,43 @@ class RefitSession:
         round_bytes, self.big_bytes, self.budgets = group.plan_inputs()
         self.round_bytes = round_bytes or self._asked[0]
         try:
-            self._layouts = self._exchange_layouts(group)
+            self._layouts, self._read = self._exchange_layouts(group, "join", range(self.config.world_size))
         except BaseException:
             self._drop()
             raise
 
-    def _exchange_layouts(self, group: RefitGroup) -> dict[int, Layout]:
+    def _exchange_layouts(
+        self, group: RefitGroup, tag: str, ranks: range | list[int], expect: Mapping[int, str] | None = None
+    ) -> tuple[dict[int, Layout], dict[int, str]]:
+        """Publish this rank's layout (when it is one of ``ranks``) under
+        ``layout/<tag>/`` and read those of ``ranks``, with their digests
+        (which must equal ``expect``'s, when given)."""
         cfg = self.config
         lay = self.layout
-        digest = table_digest(lay.tensors)
-        try:
-            if not group.store.check([f"table/{digest}"]):
-                group.put(f"table/{digest}", wire.Table(tensors=lay.tensors), step="layout")
-        except RefitError:
-            raise
-        except Exception as e:
-            raise group._store_error("layout", e) from e
-        msg = wire.RankLayout(rank=lay.rank, table=digest, locals=lay.locals, pieces=lay.pieces, grids=lay.grids)
-        group.put(f"layout/{self.rank}", msg, step="layout")
-        keys = [f"layout/{r}" for r in range(cfg.world_size)]
+        if self.rank in ranks:
+            digest = table_digest(lay.tensors)
+            try:
+                if not group.store.check([f"table/{digest}"]):
+                    group.put(f"table/{digest}", wire.Table(tensors=lay.tensors), step="layout")
+            except RefitError:
+                raise
+            except Exception as e:
+                raise group._store_error("layout", e) from e
+            msg = wire.RankLayout(rank=lay.rank, table=digest, locals=lay.locals, pieces=lay.pieces, grids=lay.grids)
+            group.put(f"layout/{tag}/{self.rank}", msg, step="layout")
+        keys = [f"layout/{tag}/{r}" for r in ranks]
         missing = group._wait_keys(keys, time.monotonic() + cfg.timeout_s, step="layout", watch_epoch=True)
         if missing:
             raise RefitError("layout", {self.rank: f"no layout from {missing} within {cfg.timeout_s}s"})
         tables: dict[str, tuple[TensorMeta, ...]] = {}
         layouts: dict[int, Layout] = {}
+        digests: dict[int, str] = {}
         try:
             with gc_paused():
-                for r, rl in enumerate(group.get_many(keys, wire.RankLayout, step="layout")):
+                for r, rl in zip(ranks, group.get_many(keys, wire.RankLayout, step="layout"), strict=True):
                     assert isinstance(rl, wire.RankLayout)
                     if rl.rank != r:
-                        raise MetadataError(f"layout/{r} holds the layout of rank {rl.rank}")
+                        raise MetadataError(f"layout/{tag}/{r} holds the layout of rank {rl.rank}")
                     if rl.table not in tables:
                         (t,) = group.get_many([f"table/{rl.table}"], wire.Table, step="layout")
                         assert isinstance(t, wire.Table)
@@ -215,15 +263,40 @@ class RefitSession:
                     )
                     side = range(cfg.num_sources) if r < cfg.num_sources else range(cfg.num_sources, cfg.world_size)
                     wire.check_layout(layouts[r], ranks=side)
+                    digests[r] = layout_digest(layouts[r], table=rl.table)
+                    if expect is not None and digests[r] != expect[r]:
+                        raise MetadataError(f"rank {r} announced layout {expect[r]} but published layout {digests[r]}")
         except (MetadataError, RefitError) as e:
             # Every rank reads the same layouts, so every rank raises this too.
             text = e.errors.get(self.rank, str(e)) if isinstance(e, RefitError) else str(e)
             raise RefitError("layout", {self.rank: f"cannot read the layouts: {text}"}) from e
-        return layouts
+        return layouts, digests
 
-    def _planner(self) -> Planner:
-        if self.planner is None:
-            assert self.group is not None
+    def _reread_layouts(self, group: RefitGroup, statuses: list[wire.Status]) -> None:
+        """Step ``enter``, continued: read again the layouts of the ranks
+        whose digest changed since this rank last read them (every rank
+        decides alike, from the same statuses)."""
+        changed = {s.rank: s.layout for s in statuses if s.layout != self._read.get(s.rank)}
+        if not changed:
+            return
+        ranks = sorted(changed)
+        layouts, digests = self._exchange_layouts(group, f"s{group.seq}", ranks, expect=changed)
+        self._layouts.update(layouts)
+        self._read.update(digests)
+        self.planner = None
+        self._plan = None
+        log.info(
+            "refit rank %d: the layouts of rank(s) %s changed; planning from the new layouts", self.rank, span(ranks)
+        )
+
+    def _plan_key(self, round_bytes: int) -> tuple:
+        assert self.group is not None
+        layouts = tuple(self._read[r] for r in range(self.config.world_size))
+        return (layouts, tuple(sorted(self.group.domain_of().items())), round_bytes, self.big_bytes)
+
+    def _layout_sets(self) -> tuple[LayoutSet, LayoutSet]:
+        key = tuple(self._read[r] for r in range(self.config.world_size))
+        if self._sets is None or self._sets[0] != key:
             s = self.config.num_sources
             with gc_paused():
                 sources = LayoutSet.from_layouts(
@@ -234,15 +307,45 @@ class RefitSession:
                     [self._layouts[r] for r in range(s, self.config.world_size)],
                     check_ranks=(self.rank,),
                 )
-            self._sets = (sources, dests)
-            self.planner = Planner(sources, dests, domain_of=self.group.domain_of(), round_bytes=self.round_bytes)
+            self._sets = (key, sources, dests)
+        return self._sets[1], self._sets[2]
+
+    def _cached(self) -> _Planned:
+        """The planner (and this rank's plan, once made) for the current
+        layouts, domains and round sizes, from the cache when planned before."""
+        key = self._plan_key(self.round_bytes)
+        entry = self._plans.get(key)
+        if entry is None:
+            assert self.group is not None
+            sources, dests = self._layout_sets()
+            planner = Planner(sources, dests, domain_of=self.group.domain_of(), round_bytes=self.round_bytes)
+            entry = self._plans[key] = _Planned(planner)
+            while len(self._plans) > _PLANS_KEPT:
+                self._plans.popitem(last=False)
+        else:
+            self._plans.move_to_end(key)
+        return entry
+
+    def _planner(self) -> Planner:
+        if self.planner is None:
+            self.planner = self._cached().planner
         return self.planner
 
+    def _planned(self) -> tuple[RankPlan, tuple[dict, dict]]:
+        """This rank's plan and its per-peer message summary (see :func:`link_summary`)."""
+        if self._plan is None:
+            entry = self._cached()
+            self.planner = entry.planner
+            if entry.plan is None:
+                entry.plan = entry.planner.plan_for(self.rank)
+                entry.links = link_summary(entry.plan, self.big_bytes)
+                self.plans_made += 1
+            self._plan, self._links = entry.plan, entry.links
+        return self._plan, self._links
+
     def _replan(self, round_bytes: int) -> None:
-        assert self.group is not None
-        sources, dests = self._sets
         self.round_bytes = round_bytes
-        self.planner = Planner(sources, dests, domain_of=self.group.domain_of(), round_bytes=round_bytes)
+        self.planner = None
         self._plan = None
 
     # -- 2. refit --------------------------------------------------------------
@@ -258,7 +361,9 @@ class RefitSession:
                 if group.current_epoch() != group.epoch:
                     raise EpochMoved("enter", {self.rank: "the refit group was rebuilt by another rank"})
                 group.begin()
-                status = wire.Status(rank=self.rank, step="enter", refit=refit, ok=True, last_refit=self.last_refit)
+                status = wire.Status(
+                    rank=self.rank, step="enter", refit=refit, ok=True, last_refit=self.last_refit, layout=self._digest
+                )
                 statuses = group.agree("enter", refit, status)
                 break
             except EpochMoved:
@@ -281,6 +386,7 @@ class RefitSession:
                 "refit numbers must strictly increase (nothing was sent)"
             )
             raise RefitError("version", dict.fromkeys(holders, text), version=refit, agreed=True)
+        self._reread_layouts(group, statuses)
         return group
 
     def refit(
@@ -328,12 +434,8 @@ class RefitSession:
             need = 0
             links: tuple[dict, dict] = ({}, {})
             try:
-                planner = self._planner()
-                if self._plan is None:
-                    self._plan = planner.plan_for(self.rank)
-                    self._links = link_summary(self._plan, self.big_bytes)
-                need = staging_need(self._plan, self.big_bytes)
-                links = self._links
+                plan, links = self._planned()
+                need = staging_need(plan, self.big_bytes)
             except PlanError as e:
                 problems += tuple(e.problems)
             except Exception as e:
@@ -370,11 +472,13 @@ class RefitSession:
             self._replan(shrunk)
         _check_links(statuses, refit)
         plan_s = time.perf_counter() - t0 - agree_s
-        plan = self._plan
-        assert plan is not None
+        plan = self._planned()[0]
         # c. execute.
         ex_stats: ExecStats | None = None
         error = ""
+        progress = Progress(refit, plan) if wants_progress(self.progress, self.rank) else None
+        if progress is not None:
+            after_round = _chain(progress, after_round)
         try:
             if before_transfer is not None:
                 before_transfer(plan)
@@ -397,6 +501,9 @@ class RefitSession:
         except Exception as e:
             error = f"{type(e).__name__}: {e}"
             group.signal_abort(refit, error)
+        finally:
+            if progress is not None:
+                progress.close()
         # d. agree on the outcome. After an abort every live rank reaches this
         # point within a few polls, so ranks still missing are dead: wait less.
         ta = time.perf_counter()
@@ -493,6 +600,26 @@ class RefitSession:
 
     def close(self) -> None:
         self._drop()
+
+
+def _chain(first: Callable[[int], None], then: Callable[[int], None] | None) -> Callable[[int], None]:
+    if then is None:
+        return first
+
+    def both(i: int) -> None:
+        first(i)
+        then(i)
+
+    return both
+
+
+@dataclass(slots=True)
+class _Planned:
+    """A cached planner and, once made, this rank's plan from it."""
+
+    planner: Planner
+    plan: RankPlan | None = None
+    links: tuple[dict, dict] = ({}, {})
 
 
 def _check_links(statuses: list[wire.Status], refit: int) -> None:

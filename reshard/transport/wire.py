@@ -105,6 +105,10 @@ class Status(msgspec.Struct, frozen=True, kw_only=True, tag="status"):
     (count, bytes, digest of every message's round, index and size)."""
     recvs: dict[int, tuple[int, int, int]] = {}
     """Step ``plan``: per peer, the messages this rank's plan expects from it."""
+    layout: str = ""
+    """Step ``enter``: the digest of the layout this rank refits with
+    (:func:`~reshard.plan.layout.layout_digest`); one that differs from the
+    layout the others last read makes every rank read the layouts again."""
 
 
 Message = Hello | RankLayout | Table | Status
