@@ -71,7 +71,9 @@ def run(request, tmp_path_factory):
     )
     try:
         out = {"tp": tp, "fresh_v2": server.greedy(), "phases": _phases(server.url, tp)}
-        steps = [(v1, ""), (v2, ""), (v1, "shape"), (v1, "")]
+        # In place: v1, v2, a bad update, v1; two-phase: v2, a bad update.
+        steps = [(v1, "", False), (v2, "", False), (v1, "shape", False), (v1, "", False)]
+        steps += [(v2, "", True), (v1, "shape", True)]
         store_port, pg_port = procs.free_port(), procs.free_port()
         out["trainers"] = procs.check(
             procs.run(weight_sync_trainer, 2, server.url, store_port, pg_port, 2, tp, steps, timeout=600)
@@ -106,6 +108,18 @@ def test_the_next_good_update_works(run):
     steps = run["trainers"][0]["steps"]
     assert steps[3]["error"] is None
     assert steps[3]["tokens"] == steps[0]["tokens"]
+
+
+def test_a_two_phase_refit_gives_a_fresh_servers_tokens_and_a_bad_one_keeps_them(run):
+    """``two_phase=True``: staged while the server serves, committed paused;
+    a staging failure (refused at the plan) surfaces at the commit, and the
+    server keeps serving its weights."""
+    steps = run["trainers"][0]["steps"]
+    assert steps[4]["error"] is None, steps[4]
+    assert steps[4]["tokens"] == run["fresh_v2"]
+    for t in run["trainers"]:
+        assert "model.norm.weight" in (t["steps"][5]["error"] or ""), t["steps"][5]
+    assert steps[5]["tokens"] == run["fresh_v2"]
 
 
 def test_after_each_failed_phase_the_next_reply_is_its_own(run):

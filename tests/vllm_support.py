@@ -160,7 +160,7 @@ def fsdp_trainer(
             engines = VllmEngines([engine_url])
         try:
             st = sender.push(refit, engines=engines)
-            return {"ok": True, "sent": st.exec.bytes_sent, "engine_stats": flat(sender.engine_stats)}
+            return {"ok": True, "sent": st.exec.bytes_sent, "engine_stats": flat(sender.engine_replies)}
         except Exception as e:
             return {"ok": False, "error": str(e), "step": getattr(e, "step", None)}
         finally:
@@ -478,10 +478,10 @@ class VllmServer:
 
 
 def weight_sync_trainer(
-    rank: int, url: str, store_port: int, pg_port: int, world: int, tp: int, steps: list[tuple[str, str]]
+    rank: int, url: str, store_port: int, pg_port: int, world: int, tp: int, steps: list[tuple[str, str, bool]]
 ) -> dict[str, Any]:
     """A trainer rank that never starts an engine: FSDP2 over ``world`` ranks,
-    each step ``(checkpoint, mutate)`` attached with vLLM's own
+    each step ``(checkpoint, mutate, two_phase)`` attached with vLLM's own
     ``WeightTransferTrainerFactory.trainer_init(..., client=HTTPVLLMWeightSyncClient(url))``
     and sent with ``send_weights()``. Rank 0 reads the server's greedy tokens after each step."""
     import torch.distributed as dist
@@ -497,7 +497,7 @@ def weight_sync_trainer(
         import vllm.plugins
 
         out["plugins_loaded"] = bool(getattr(vllm.plugins, "plugins_loaded", False))
-        for g, (path, mutate) in enumerate(steps):
+        for g, (path, mutate, two_phase) in enumerate(steps):
             model = fsdp2_model(rank, world, pg_port, path, dtype="bfloat16", mutate=mutate)
             info = ReshardTrainerInitInfo(
                 rank=rank,
@@ -506,6 +506,7 @@ def weight_sync_trainer(
                 num_destinations=tp,
                 generation=g,
                 timeout_s=60,
+                two_phase=two_phase,
             )
             step: dict[str, Any] = {}
             t0 = time.monotonic()

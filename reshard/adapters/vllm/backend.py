@@ -18,6 +18,14 @@ or an offline ``LLM``.
 - per refit: ``start_weight_update`` (nothing yet: the model is touched only
   once every rank agreed on the plan), ``update_weights({"refit": n})`` (the
   whole pull, while trainer ranks push), then ``finish_weight_update``.
+- a two-phase refit (``ReshardTrainerInitInfo(two_phase=True)``) splits the
+  update in two calls: ``update_weights({"refit": n, "phase": "stage"})``
+  starts receiving into staging buffers and returns at once, so the engine
+  keeps serving on its old weights while trainer ranks push; once they are
+  done, ``update_weights({"refit": n, "phase": "commit"})`` applies the
+  staged weights (a server is paused around it by the trainer engine, with
+  requests in flight finishing first). A staging failure surfaces at the
+  commit, with the serving weights untouched.
 
 **Replies never go stale.** vLLM 0.32's multiprocess executor reads worker
 replies in rank order and stops at the first worker that raised; the other
@@ -35,8 +43,10 @@ start").
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import threading
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Any, ClassVar
 
@@ -90,10 +100,20 @@ class ReshardInitInfo(WeightTransferInitInfo):
         return GroupSpec.parse(asdict(self))
 
 
+_PHASES = ("pull", "stage", "commit")
+
+
 @dataclass
 class ReshardUpdateInfo(WeightTransferUpdateInfo):
     refit: int
     method: str = "reshard"
+    phase: str = "pull"
+    """``pull`` (the whole refit in this call), or a two-phase refit's
+    ``stage`` (start receiving into staging buffers) and ``commit`` (apply)."""
+
+    def __post_init__(self) -> None:
+        if self.phase not in _PHASES:
+            raise ValueError(f"unknown update phase {self.phase!r}; use one of {', '.join(_PHASES)}")
 
 
 class ReshardEngine(WeightTransferEngine[ReshardInitInfo, ReshardUpdateInfo]):
@@ -132,7 +152,13 @@ class ReshardEngine(WeightTransferEngine[ReshardInitInfo, ReshardUpdateInfo]):
             raise RuntimeError("init_weight_transfer_engine must succeed before a weight update")
 
     def receive_weights(self, update_info: ReshardUpdateInfo) -> None:
-        self.receiver.pull(update_info.refit, method=update_info.method)
+        refit, method = update_info.refit, update_info.method
+        if update_info.phase == "stage":
+            self.receiver.stage(refit, method=method)
+        elif update_info.phase == "commit":
+            self.receiver.commit(refit, wait_s=self.receiver.receiver.session.config.timeout_s)
+        else:
+            self.receiver.pull(refit, method=method)
 
     def finish_weight_update(self) -> None:
         """Nothing left: the pull already finalized vLLM's reload lifecycle."""
@@ -259,6 +285,12 @@ class ReshardTrainerInitInfo(TrainerInitInfo):
     checksums: bool = False
     worker_init: dict[str, Any] = field(default_factory=dict)
     """Extra worker-side init keys (``engine_offset``, ``budget_bytes``, ``domain``, ``atomic``)."""
+    two_phase: bool = False
+    """Refit in two phases: workers receive into staging buffers while the
+    engine serves, then apply with generation paused only for that."""
+    pause_mode: str = "wait"
+    """How a server pauses around a two-phase commit (vLLM's ``/pause``
+    modes): ``wait`` lets requests in flight finish on the old weights."""
 
 
 class _OfflineClient:
@@ -296,6 +328,8 @@ class ReshardTrainerEngine(TrainerWeightTransferEngine[ReshardTrainerInitInfo]):
     init_info_cls = ReshardTrainerInitInfo
     sender: Any
     refits: int = 0
+    two_phase: bool = False
+    pause_mode: str = "wait"
 
     @classmethod
     def trainer_init(cls, init_info: ReshardTrainerInitInfo, *, client, source=None) -> ReshardTrainerEngine:
@@ -305,6 +339,8 @@ class ReshardTrainerEngine(TrainerWeightTransferEngine[ReshardTrainerInitInfo]):
         module = getattr(source, "_module", source)
         if module is None:
             raise ValueError("the reshard trainer engine needs a source module (vLLM's ModuleSource or an nn.Module)")
+        if init_info.pause_mode not in ("wait", "keep", "abort"):
+            raise ValueError(f"pause_mode must be wait, keep or abort, got {init_info.pause_mode!r}")
         self = cls(client=weight_sync_client(client), source=source, is_sender=init_info.is_sender)
         cfg = GroupConfig(
             address=init_info.address,
@@ -318,6 +354,8 @@ class ReshardTrainerEngine(TrainerWeightTransferEngine[ReshardTrainerInitInfo]):
         )
         self.sender = Sender(module, config=cfg, rank=init_info.rank)
         self.refits = 0
+        self.two_phase = init_info.two_phase
+        self.pause_mode = init_info.pause_mode
         if self.is_sender:
             spec = GroupSpec.of(cfg, **init_info.worker_init)
             worker = {k: v for k, v in msgspec.to_builtins(spec).items() if k not in ("token", "version")}
@@ -331,16 +369,29 @@ class ReshardTrainerEngine(TrainerWeightTransferEngine[ReshardTrainerInitInfo]):
         refit = self.refits
         errors: list[BaseException] = []
         driver = None
+        pushed = threading.Event()
         self.sender.cancel(None)
         if self.is_sender:
+            client = self.client
 
             def drive() -> None:
                 try:
-                    _call(self.client.start_weight_update)
-                    _call(self.client.update_weights, asdict(ReshardUpdateInfo(refit=refit)))
-                    _call(self.client.finish_weight_update)
+                    _call(client.start_weight_update)
+                    if not self.two_phase:
+                        _call(client.update_weights, asdict(ReshardUpdateInfo(refit=refit)))
+                    else:
+                        _call(client.update_weights, asdict(ReshardUpdateInfo(refit=refit, phase="stage")))
+                        # The engine serves on its old weights while the
+                        # workers receive; the commit raises if staging failed.
+                        pushed.wait()
+                        with paused(client, self.pause_mode):
+                            _call(client.update_weights, asdict(ReshardUpdateInfo(refit=refit, phase="commit")))
+                            _call(client.finish_weight_update)
+                            reset_prefix_cache(client)
+                        return
+                    _call(client.finish_weight_update)
                     # Cached prefixes were computed with the old weights.
-                    reset_prefix_cache(self.client)
+                    reset_prefix_cache(client)
                 except BaseException as e:  # re-raised below
                     errors.append(e)
                     # Engines that failed before they joined would leave this
@@ -352,12 +403,14 @@ class ReshardTrainerEngine(TrainerWeightTransferEngine[ReshardTrainerInitInfo]):
         try:
             self.sender.push(refit)
         except BaseException as push_error:
+            pushed.set()
             if driver is not None:
                 driver.join()
             if errors:
                 # The engine's own account (every worker's error) says more.
                 raise errors[0] from push_error
             raise
+        pushed.set()
         if driver is not None:
             driver.join()
         if errors:
@@ -379,6 +432,30 @@ def _call(fn, *args: Any) -> None:
         if not text:
             raise
         raise ReshardError(f"{fn.__name__}: {e}: {text[:4000]}") from e
+
+
+@contextlib.contextmanager
+def paused(client: Any, mode: str) -> Iterator[None]:
+    """Pause a server's generation (vLLM's ``POST /pause?mode=...``, a
+    dev-mode route) for the block, and resume it after, unless the block
+    failed leaving old and new weights mixed. Other clients run the block as
+    it is: an offline ``LLM`` does not generate meanwhile, and the engine
+    runs the update calls between its steps."""
+    base_url = getattr(client, "base_url", None)
+    if base_url is None:
+        yield
+        return
+    import requests
+
+    timeout = getattr(client, "timeout", 300)
+    requests.post(f"{base_url}/pause", params={"mode": mode}, timeout=timeout).raise_for_status()
+    try:
+        yield
+    except BaseException as e:
+        if "MixedWeightsError" not in str(e):
+            requests.post(f"{base_url}/resume", timeout=timeout).raise_for_status()
+        raise
+    requests.post(f"{base_url}/resume", timeout=timeout).raise_for_status()
 
 
 def reset_prefix_cache(client: Any) -> None:
