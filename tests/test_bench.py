@@ -21,3 +21,36 @@ def test_bench_smoke_both_methods_correct():
     assert res["method"]["gather_broadcast"]["bytes_received_total"] == 4 * res["model_bytes"]
     assert res["raw_p2p_bytes"] == kept
     assert "speedup over gather-and-broadcast" in format_result(res)
+
+
+def _engine_rows(methods: tuple[str, ...], reps: int) -> list[dict]:
+    """Rows as an engine bench records them: every method once per rep, the
+    first rep a warm-up; refit ``k`` of a method takes ``k`` seconds."""
+    rows = []
+    for rep in range(reps + 1):
+        for m in methods:
+            secs = float(rep + 1) if m != "raw_p2p" else 0.5
+            workers = [{"bytes_received": 100, "plan_seconds": 0.01, "seconds": secs / 2, "apply_seconds": 0.1}]
+            row = {"step": len(rows), "rep": rep, "method": m, "warmup": rep == 0, "seconds": secs}
+            row.update(paused_seconds=secs / 4 if m == "two_phase" else secs, flush_seconds=0.0, workers=workers)
+            rows.append(row)
+    return rows
+
+
+def test_engine_bench_summaries_for_both_engines():
+    """The summary reads every method's medians from the timed refits only and
+    prints the ratios an engine has (SGLang: no two-phase)."""
+    from reshard.tools import engine_bench, sglang_bench
+
+    for methods in (engine_bench.METHODS, sglang_bench.METHODS):
+        tokens = {m: [[1, 2]] for m in methods if m != "raw_p2p"}
+        res = engine_bench.summarize(
+            _engine_rows(methods, 3), tokens, [100], 200, 1.0, 1, 2, "float32", 3, 1, names=methods, engine="x"
+        )
+        assert set(res["method"]) == set(methods)
+        assert res["method"]["reshard"]["seconds_median"] == 3.0  # reps 1..3 take 2, 3, 4 s
+        assert res["ratios"]["reshard_vs_raw_throughput"] == 0.5 / 3.0
+        assert all(res["tokens_match_reload"].values())
+        text = engine_bench.format_result(res)
+        assert "reshard at 0.17x raw point-to-point throughput" in text
+        assert ("two-phase pauses generation for 25% of its refit" in text) == ("two_phase" in methods)

@@ -374,8 +374,8 @@ def plot(results: list[dict[str, Any]], path: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     if argv and any(a == "--engine" or a.startswith("--engine=") for a in argv):
-        # Into a real engine: see reshard.tools.engine_bench.
-        from reshard.tools.engine_bench import main as engine_main
+        # Into a real engine: see reshard.tools.engine_cli.
+        from reshard.tools.engine_cli import main as engine_main
 
         return engine_main(argv)
     ap = argparse.ArgumentParser(

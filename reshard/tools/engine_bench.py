@@ -24,7 +24,6 @@ call, cache flush, the span generation was paused).
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import json
 import math
@@ -37,7 +36,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-__all__ = ["METHODS", "main", "run_engine_bench"]
+__all__ = ["METHODS", "format_result", "plot", "run_engine_bench"]
 
 METHODS = ("reshard", "two_phase", "gather_broadcast", "reload", "raw_p2p")
 REFIT_METHODS = {"reshard": "reshard", "two_phase": "reshard", "gather_broadcast": "gather_broadcast"}
@@ -69,21 +68,21 @@ def model_config(size_mb: float, dtype: str) -> dict[str, Any]:
 # -- small helpers shared by every process --------------------------------------------
 
 
-def _store(address: str, *, host: bool = False):
+def bench_store(address: str, *, host: bool = False):
     from torch.distributed import TCPStore
 
     ip, port = address.rsplit(":", 1)
     return TCPStore(ip, int(port), None, host, timeout=datetime.timedelta(seconds=600), wait_for_workers=False)
 
 
-def _barrier(store, step: int, parties: int) -> None:
+def barrier(store, step: int, parties: int) -> None:
     key = f"bench/step{step}"
     store.add(key, 1)
     while int(store.add(key, 0)) < parties:
         time.sleep(0.001)
 
 
-def _free_port() -> int:
+def free_port() -> int:
     import socket
 
     with socket.socket() as s:
@@ -91,8 +90,8 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _schedule(warmup: int, reps: int) -> list[tuple[int, str]]:
-    return [(rep, m) for rep in range(warmup + reps) for m in METHODS]
+def schedule(warmup: int, reps: int, methods: tuple[str, ...] = METHODS) -> list[tuple[int, str]]:
+    return [(rep, m) for rep in range(warmup + reps) for m in methods]
 
 
 def _raw_group(store, rank: int, world: int):
@@ -112,7 +111,7 @@ def _raw_shares(kept: list[int], trainers: int) -> list[list[int]]:
 # -- trainer ranks and raw sinks (processes of their own) ------------------------------------------
 
 
-def _entry(fn, rank: int, args: tuple, q) -> None:
+def entry(fn, rank: int, args: tuple, q) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     try:
         q.put((fn.__name__, rank, fn(rank, *args), ""))
@@ -120,7 +119,7 @@ def _entry(fn, rank: int, args: tuple, q) -> None:
         q.put((fn.__name__, rank, None, f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
 
 
-def _trainer(rank: int, cfg: dict[str, Any]) -> list[dict[str, Any]]:
+def trainer_rank(rank: int, cfg: dict[str, Any]) -> list[dict[str, Any]]:
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -131,7 +130,7 @@ def _trainer(rank: int, cfg: dict[str, Any]) -> list[dict[str, Any]]:
 
     torch.set_num_threads(1)
     world = cfg["trainers"]
-    store = _store(cfg["bench_address"])
+    store = bench_store(cfg["bench_address"])
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(cfg["pg_port"]))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     dtype = getattr(torch, cfg["dtype"])
@@ -149,8 +148,8 @@ def _trainer(rank: int, cfg: dict[str, Any]) -> list[dict[str, Any]]:
     out = []
     refit = 0
     try:
-        for step, (_, method) in enumerate(_schedule(cfg["warmup"], cfg["reps"])):
-            _barrier(store, step, cfg["parties"])
+        for step, (_, method) in enumerate(schedule(cfg["warmup"], cfg["reps"], tuple(cfg.get("methods", METHODS)))):
+            barrier(store, step, cfg["parties"])
             if method in REFIT_METHODS:
                 refit += 1
                 st = sender.push(refit, method=REFIT_METHODS[method])
@@ -167,20 +166,20 @@ def _trainer(rank: int, cfg: dict[str, Any]) -> list[dict[str, Any]]:
     return out
 
 
-def _sink(rank: int, cfg: dict[str, Any]) -> list[dict[str, Any]]:
+def raw_sink(rank: int, cfg: dict[str, Any]) -> list[dict[str, Any]]:
     """Stands for engine worker ``rank``: receives its bytes from every trainer rank."""
     import torch
 
     torch.set_num_threads(1)
-    store = _store(cfg["bench_address"])
+    store = bench_store(cfg["bench_address"])
     kept = json.loads(store.get("bench/kept"))
     trainers = cfg["trainers"]
     shares = [row[rank] for row in _raw_shares(kept, trainers)]
     raw = _raw_group(store, trainers + rank, trainers + len(kept))
     bufs = [torch.empty(n, dtype=torch.uint8) for n in shares]
     out = []
-    for step, (_, method) in enumerate(_schedule(cfg["warmup"], cfg["reps"])):
-        _barrier(store, step, cfg["parties"])
+    for step, (_, method) in enumerate(schedule(cfg["warmup"], cfg["reps"], tuple(cfg.get("methods", METHODS)))):
+        barrier(store, step, cfg["parties"])
         if method == "raw_p2p":
             t0 = time.perf_counter()
             works = [raw.recv([b], t, 0) for t, b in enumerate(bufs) if b.numel()]
@@ -220,9 +219,9 @@ def run_engine_bench(
     trainer_path = build_tiny_model(work / "v2", "qwen2", seed=7, **cfg_model)
     model_bytes = sum(f.stat().st_size for f in trainer_path.glob("*.safetensors"))
 
-    bench_address = f"127.0.0.1:{_free_port()}"
-    refit_address = f"127.0.0.1:{_free_port()}"
-    store = _store(bench_address, host=True)
+    bench_address = f"127.0.0.1:{free_port()}"
+    refit_address = f"127.0.0.1:{free_port()}"
+    store = bench_store(bench_address, host=True)
     cfg = {
         "trainers": trainers,
         "tp": tp,
@@ -232,7 +231,7 @@ def run_engine_bench(
         "trainer_path": str(trainer_path),
         "bench_address": bench_address,
         "refit_address": refit_address,
-        "pg_port": _free_port(),
+        "pg_port": free_port(),
         "parties": 1 + trainers + tp,
     }
     say(f"starting vLLM (TP={tp}, CPU) ...")
@@ -240,8 +239,8 @@ def run_engine_bench(
     torch.set_num_threads(1)
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    procs = [ctx.Process(target=_entry, args=(_trainer, r, (cfg,), q), daemon=True) for r in range(trainers)]
-    procs += [ctx.Process(target=_entry, args=(_sink, w, (cfg,), q), daemon=True) for w in range(tp)]
+    procs = [ctx.Process(target=entry, args=(trainer_rank, r, (cfg,), q), daemon=True) for r in range(trainers)]
+    procs += [ctx.Process(target=entry, args=(raw_sink, w, (cfg,), q), daemon=True) for w in range(tp)]
     for p in procs:
         p.start()
     rows: list[dict[str, Any]] = []
@@ -251,11 +250,11 @@ def run_engine_bench(
         init = init_workers(llm, GroupSpec.of(group, with_token=True))
         kept = [int(r.stats["kept_bytes"]) for r in init]
         store.set("bench/kept", json.dumps(kept))
-        schedule = _schedule(warmup, reps)
-        say(f"{len(schedule)} timed steps ({warmup} warm-up round(s), then {reps}), methods alternating ...")
+        steps = schedule(warmup, reps)
+        say(f"{len(steps)} timed steps ({warmup} warm-up round(s), then {reps}), methods alternating ...")
         refit = 0
-        for step, (rep, method) in enumerate(schedule):
-            _barrier(store, step, 1 + trainers + tp)
+        for step, (rep, method) in enumerate(steps):
+            barrier(store, step, 1 + trainers + tp)
             row: dict[str, Any] = {"step": step, "rep": rep, "method": method, "warmup": rep < warmup}
             t0 = time.perf_counter()
             t_pause = t0
@@ -285,7 +284,7 @@ def run_engine_bench(
             rows.append(row)
             if rep == warmup + reps - 1 and method != "raw_p2p":
                 tokens[method] = greedy(llm)
-        results = _collect(q, procs, timeout=600)
+        results = collect(q, procs, timeout=600)
     finally:
         for p in procs:
             p.join(timeout=30)
@@ -294,14 +293,14 @@ def run_engine_bench(
         shutdown(llm)
     for name, _rank, value in results:
         for r in value:
-            rows[r["step"]].setdefault("trainers" if name == "_trainer" else "sinks", []).append(r)
+            rows[r["step"]].setdefault("trainers" if name == "trainer_rank" else "sinks", []).append(r)
     for row in rows:
         if row["method"] == "raw_p2p":
             row["seconds"] = max(r["seconds"] for r in row["trainers"] + row["sinks"])
-    return _summarize(rows, tokens, kept, model_bytes, size_mb, tp, trainers, dtype, reps, warmup)
+    return summarize(rows, tokens, kept, model_bytes, size_mb, tp, trainers, dtype, reps, warmup)
 
 
-def _collect(q, procs, timeout: float) -> list[tuple[str, int, Any]]:
+def collect(q, procs, timeout: float) -> list[tuple[str, int, Any]]:
     out: list[tuple[str, int, Any]] = []
     errors: list[str] = []
     deadline = time.monotonic() + timeout
@@ -321,10 +320,24 @@ def _collect(q, procs, timeout: float) -> list[tuple[str, int, Any]]:
     return out
 
 
-def _summarize(rows, tokens, kept, model_bytes, size_mb, tp, trainers, dtype, reps, warmup) -> dict[str, Any]:
+def summarize(
+    rows,
+    tokens,
+    kept,
+    model_bytes,
+    size_mb,
+    tp,
+    trainers,
+    dtype,
+    reps,
+    warmup,
+    *,
+    names: tuple[str, ...] = METHODS,
+    engine=None,
+) -> dict[str, Any]:
     volume = sum(kept)
     methods: dict[str, Any] = {}
-    for m in METHODS:
+    for m in names:
         timed = [r for r in rows if r["method"] == m and not r["warmup"]]
         secs = [r["seconds"] for r in timed]
         paused = [r["paused_seconds"] for r in timed]
@@ -343,12 +356,14 @@ def _summarize(rows, tokens, kept, model_bytes, size_mb, tp, trainers, dtype, re
         "reshard_vs_raw_throughput": raw["seconds_median"] / rs["seconds_median"],
         "reload_over_reshard": methods["reload"]["seconds_median"] / rs["seconds_median"],
         "gather_broadcast_over_reshard": methods["gather_broadcast"]["seconds_median"] / rs["seconds_median"],
-        "two_phase_paused_fraction": methods["two_phase"]["paused_median"] / methods["two_phase"]["seconds_median"],
-        "two_phase_paused_over_reshard": methods["two_phase"]["paused_median"] / rs["seconds_median"],
     }
+    if "two_phase" in methods:
+        two = methods["two_phase"]
+        ratios["two_phase_paused_fraction"] = two["paused_median"] / two["seconds_median"]
+        ratios["two_phase_paused_over_reshard"] = two["paused_median"] / rs["seconds_median"]
     reference = tokens.get("reload")
     return {
-        "engine": f"vllm tp={tp} (CPU, offline LLM)",
+        "engine": engine or f"vllm tp={tp} (CPU, offline LLM)",
         "trainer": f"fsdp={trainers}",
         "dtype": dtype,
         "size_mb": size_mb,
@@ -410,16 +425,20 @@ def format_result(res: dict[str, Any]) -> str:
         paused = f"{m['paused_median']:>10.3f}" if name != "raw_p2p" else f"{'-':>10}"
         lines.append(f"{name:<18}{m['seconds_median']:>10.3f}{m['gb_per_s']:>8.2f}{paused}   {detail}")
     r = res["ratios"]
-    lines.append(
+    summary = (
         f"reshard at {r['reshard_vs_raw_throughput']:.2f}x raw point-to-point throughput; "
         f"gather-and-broadcast takes {r['gather_broadcast_over_reshard']:.2f}x reshard's time, "
-        f"a /dev/shm reload {r['reload_over_reshard']:.2f}x; "
-        f"two-phase pauses generation for {r['two_phase_paused_fraction']:.0%} of its refit "
-        f"({r['two_phase_paused_over_reshard']:.0%} of an in-place refit's pause)"
+        f"a /dev/shm reload {r['reload_over_reshard']:.2f}x"
     )
+    if "two_phase_paused_fraction" in r:
+        summary += (
+            f"; two-phase pauses generation for {r['two_phase_paused_fraction']:.0%} of its refit "
+            f"({r['two_phase_paused_over_reshard']:.0%} of an in-place refit's pause)"
+        )
+    lines.append(summary)
     match = res["tokens_match_reload"]
     lines.append(
-        "greedy tokens after each method equal those after vLLM's reload: "
+        "greedy tokens after each method equal those after the engine's own reload: "
         + ", ".join(f"{m} {ok}" for m, ok in match.items())
     )
     return "\n".join(lines)
@@ -448,53 +467,3 @@ def plot(res: dict[str, Any], path: str) -> None:
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
-
-
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(
-        prog="reshard bench --engine vllm", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    ap.add_argument("--engine", choices=["vllm"], default="vllm", help="the engine (SGLang: not yet)")
-    ap.add_argument("--size-mb", type=float, default=256, help="checkpoint size (default 256)")
-    ap.add_argument("--tp", type=int, default=2)
-    ap.add_argument("--trainers", type=int, default=2, help="FSDP2 trainer ranks")
-    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--warmup", type=int, default=1)
-    ap.add_argument("--workdir", default=None, help="where the checkpoints go (default: a folder in /dev/shm)")
-    ap.add_argument("--json", action="store_true", help="print one JSON object (with every rank's timeline)")
-    ap.add_argument("--plot", default=None, help="write a PNG of the results")
-    args = ap.parse_args(argv)
-    import sys
-
-    say = (lambda msg: print(msg, file=sys.stderr, flush=True)) if args.json else print
-    saved = None
-    if args.json:
-        # vLLM logs to stdout (its workers too): send all of it to stderr, so
-        # stdout holds the JSON object only.
-        sys.stdout.flush()
-        saved = os.dup(1)
-        os.dup2(2, 1)
-    try:
-        res = run_engine_bench(
-            size_mb=args.size_mb,
-            tp=args.tp,
-            trainers=args.trainers,
-            reps=args.reps,
-            warmup=args.warmup,
-            dtype=args.dtype,
-            workdir=args.workdir,
-            say=say,
-        )
-    finally:
-        if saved is not None:
-            sys.stdout.flush()
-            os.dup2(saved, 1)
-            os.close(saved)
-    if args.json:
-        print(json.dumps(res, indent=1))
-    else:
-        print(format_result(res), flush=True)
-    if args.plot:
-        plot(res, args.plot)
-    return 0
