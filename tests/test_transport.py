@@ -66,8 +66,9 @@ def make_locals(items, fill_from_global: bool) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def run_problems(rank: int, port: int, encoded: list[bytes], budget: int) -> list[str]:
-    """One process: play rank ``rank`` in every problem it takes part in."""
+def run_problems(rank: int, port: int, encoded: list[bytes], budget: int, shm: bool = False) -> list[str]:
+    """One process: play rank ``rank`` in every problem it takes part in
+    (``shm``: over shared memory, each problem's ranks split over two hosts)."""
     done = []
     for i, blob in enumerate(encoded):
         p = msgspec.msgpack.decode(blob, type=dict[str, object])
@@ -84,6 +85,8 @@ def run_problems(rank: int, port: int, encoded: list[bytes], budget: int) -> lis
             timeout_s=60,
             domain=f"d{domains[rank]}",
             host_store=False,
+            shared_memory=shm,
+            shm_host=f"h{rank % 2}" if shm else None,
         )
         if rank < len(src):
             lay = src[rank]
@@ -343,7 +346,7 @@ def test_float_dtypes_cast_on_arrival_bit_exactly(src, dst, rows):
         assert r["gather_broadcast"][0]
 
 
-def _relayouts(rank: int, address: str) -> list[tuple[bool, int]]:
+def _relayouts(rank: int, address: str, shm: bool = False) -> list[tuple[bool, int]]:
     """Layouts that change between refits, on one rank or on either side: every
     rank replans (or takes the plan cached for those layouts, also on a group
     rebuilt after ``close``) and the bytes land where the new layouts say."""
@@ -351,7 +354,9 @@ def _relayouts(rank: int, address: str) -> list[tuple[bool, int]]:
     from reshard.plan.specs import PieceSpec, build_layout
 
     meta = TensorMeta("w", (64, 48), "float32")
-    cfg = GroupConfig(address=address, num_sources=2, num_destinations=2, timeout_s=60, host_store=False)
+    cfg = GroupConfig(
+        address=address, num_sources=2, num_destinations=2, timeout_s=60, host_store=False, shared_memory=shm
+    )
 
     def version(n: int) -> torch.Tensor:
         return torch.randn(64, 48, generator=torch.Generator().manual_seed(n))

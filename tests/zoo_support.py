@@ -15,6 +15,9 @@ One configuration (architecture, TP):
    equal what the refit wrote (a parameter the refit never wrote would still
    hold v1's bytes, or miss from the capture);
 5. the worker's learned layout, for the plan-rule check;
+   For the configurations in ``SHARED_MEMORY``, that refit is colocated:
+   trainer ranks and engine workers on this host move every byte through
+   shared memory (``GroupConfig(shared_memory=True)`` on every rank);
 6. for the configurations in ``TWO_PHASE``: back to v1 by vLLM's reload,
    then a two-phase refit to v2 (staged while the engine could serve, then
    committed), captured the same way: it must land what the in-place refit
@@ -37,6 +40,9 @@ TWO_PHASE = {("qwen2_moe", 2), ("llama", 1)}
 """Configurations refit a second time with a two-phase refit (stage, then
 commit): MoE experts repacked on CPU at TP=2, tied embeddings at TP=1."""
 
+SHARED_MEMORY = {("qwen2", 2), ("qwen3_moe", 1)}
+"""Configurations whose refit is colocated: every byte through shared memory."""
+
 _state: dict[str, Any] = {}
 """Per pool process: the engine being tested, the trainer's default group."""
 
@@ -55,7 +61,15 @@ def build_zoo(root: str) -> dict[str, tuple[str, str]]:
 
 
 def trainer_push(
-    rank: int, world: int, pg_port: int, path: str, address: str, num_destinations: int, generation: int, refit: int
+    rank: int,
+    world: int,
+    pg_port: int,
+    path: str,
+    address: str,
+    num_destinations: int,
+    generation: int,
+    refit: int,
+    shared_memory: bool = False,
 ) -> dict[str, Any]:
     """One FSDP2 trainer rank: ``path`` in bf16, each decoder layer and the
     root ``fully_shard``-ed over ``world`` ranks, pushed as refit ``refit``."""
@@ -70,11 +84,12 @@ def trainer_push(
         timeout_s=120,
         host_store=False,
         generation=generation,
+        shared_memory=shared_memory,
     )
     sender = Sender(model, config=cfg)
     try:
         st = sender.push(refit)
-        return {"sent": st.exec.bytes_sent, "casts": st.exec.casts}
+        return {"sent": st.exec.bytes_sent, "casts": st.exec.casts, "links": st.exec.send_by_link}
     finally:
         sender.close()
 
@@ -183,7 +198,9 @@ class Zoo:
             self.host.close()
             self.trainers.close()
 
-    def _refit(self, path: str, tp: int, refit: int, capture: bool, two_phase: bool = False) -> dict[str, Any]:
+    def _refit(
+        self, path: str, tp: int, refit: int, capture: bool, two_phase: bool = False, shm: bool = False
+    ) -> dict[str, Any]:
         from tests import procs
 
         self.generation += 1
@@ -193,10 +210,11 @@ class Zoo:
             "num_destinations": tp,
             "timeout_s": 120,
             "generation": self.generation,
+            "shared_memory": shm,
         }
         self.host.submit(engine_pull, config, refit, capture, two_phase)
         self.trainers.submit(
-            trainer_push, self.world, self.pg_port, path, self.store.address, tp, self.generation, refit
+            trainer_push, self.world, self.pg_port, path, self.store.address, tp, self.generation, refit, shm
         )
         trainers = self.trainers.wait(timeout=600)
         (engine,) = procs.check(self.host.wait(timeout=600))
@@ -212,7 +230,7 @@ class Zoo:
         try:
             out["fresh_v2"] = self.host.call(engine_start, v2, tp, timeout=600)[0]
             out["before"] = self.host.call(engine_load, v1)[0]
-            out["refit"] = self._refit(v2, tp, 1, capture=True)
+            out["refit"] = self._refit(v2, tp, 1, capture=True, shm=(kind, tp) in SHARED_MEMORY)
             out["after"] = self.host.call(engine_greedy)[0]
             out["learned"] = self.host.call(engine_learned)[0]
             out["reference"] = self.host.call(engine_reload, v2)[0]

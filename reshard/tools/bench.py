@@ -13,9 +13,12 @@ plain point-to-point transfer of the same volume between two processes
 ``reshard bench --engine vllm`` measures refits into a real engine instead
 (:mod:`reshard.tools.engine_bench`).
 
-Cases: ``default`` (trainer fsdp=2, one engine tp=2) and ``replicas``
+Cases: ``default`` (trainer fsdp=2, one engine tp=2), ``replicas``
 (trainer fsdp=2, two engine replicas tp=2 in one NVLink-like domain, so one
-leader pulls each slice across and forwards it to the other replica).
+leader pulls each slice across and forwards it to the other replica) and
+``colocated`` (the default layouts, every rank on this host: reshard over
+shared memory, ``reshard_shm``, against reshard over gloo loopback and
+gather-and-broadcast, and a plain in-process memory copy of the same bytes).
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ import statistics
 import time
 import traceback
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 __all__ = ["BenchCase", "main", "run_bench"]
@@ -48,6 +51,12 @@ class BenchCase:
     intermediate: int = 2816
     layers: int = 12
     vocab: int = 32000
+    colocated: bool = False
+    """Also refit over shared memory (every rank on this host)."""
+
+    @property
+    def methods(self) -> tuple[str, ...]:
+        return ("reshard_shm", "reshard", "gather_broadcast") if self.colocated else ("reshard", "gather_broadcast")
 
     @property
     def config(self) -> dict[str, Any]:
@@ -70,6 +79,7 @@ class BenchCase:
 CASES = {
     "default": BenchCase(name="default"),
     "replicas": BenchCase(name="replicas", engine_dp=2),
+    "colocated": BenchCase(name="colocated", colocated=True),
 }
 
 
@@ -121,8 +131,11 @@ def _run_rank(rank: int, case: BenchCase, address: str, reps: int, warmup: int) 
         host_store=False,
         domain="trainer" if rank < t else "engine",
     )
-    methods = ["reshard", "gather_broadcast"]
+    # Over shared memory: another group (its own job) whose ranks say so.
+    shm_cfg = replace(cfg, job="bench-shm", shared_memory=True)
+    methods = list(case.methods)
     schedule = [m for _ in range(warmup + reps) for m in methods]
+    method_of = {"reshard_shm": "reshard"}
     out: dict[str, Any] = {"rank": rank, "runs": []}
     if rank < t:
         mesh = Mesh(shape=(t,))
@@ -134,11 +147,16 @@ def _run_rank(rank: int, case: BenchCase, address: str, reps: int, warmup: int) 
             lo, hi = chunk_range(m.shape[0], t, rank)
             tensors[m.name] = _global(m)[lo:hi].clone()
         sender = Sender.from_pieces([], tensors, config=cfg, rank=rank, grids=grids)
+        shm = Sender.from_pieces([], tensors, config=shm_cfg, rank=rank, grids=grids) if case.colocated else None
         for i, method in enumerate(schedule):
-            st = sender.push(i + 1, method=method)
+            ep = shm if method == "reshard_shm" else sender
+            assert ep is not None
+            st = ep.push(i + 1, method=method_of.get(method, method))
             out["runs"].append({"method": method, **st.as_dict()})
         out["raw"] = _raw_p2p(sender.session, rank, t, _volume(case, metas))
         sender.close()
+        if shm is not None:
+            shm.close()
         return out
     side = engine_layouts(metas, case.config, EngineSpec(tp=case.engine_tp, dp=case.engine_dp), base=t)
     layout = side.layout_of(rank)
@@ -158,17 +176,22 @@ def _run_rank(rank: int, case: BenchCase, address: str, reps: int, warmup: int) 
     for _, s in slots:
         local.setdefault(s.local, torch.zeros(s.local_shape, dtype=torch.bfloat16))
     endpoint = Receiver(local, config=cfg, rank=rank, layout=layout)
+    shm_end = Receiver(local, config=shm_cfg, rank=rank, layout=layout) if case.colocated else None
     correct = {m: True for m in methods}
     for i, method in enumerate(schedule):
         for v in local.values():
             v.zero_()
-        st = endpoint.pull(i + 1, method=method)
+        dest = shm_end if method == "reshard_shm" else endpoint
+        assert dest is not None
+        st = dest.pull(i + 1, method=method_of.get(method, method))
         out["runs"].append({"method": method, **st.as_dict()})
         if i >= len(schedule) - len(methods):  # check the last run of each method
             correct[method] = _check(local, slots)
     out["correct"] = correct
     out["raw"] = _raw_p2p(endpoint.session, rank, t, _volume(case, metas))
     endpoint.close()
+    if shm_end is not None:
+        shm_end.close()
     return out
 
 
@@ -276,12 +299,13 @@ def _summarize(case: BenchCase, results: dict[int, dict], reps: int, warmup: int
     t = case.trainer_ranks
     engines = [r for r in results if r >= t]
     methods: dict[str, Any] = {}
-    for method in ("reshard", "gather_broadcast"):
+    n_methods = len(case.methods)
+    for method in case.methods:
         per_run: list[float] = []
         n_runs = len(results[0]["runs"])
         for i in range(n_runs):
             runs = [results[r]["runs"][i] for r in results]
-            if runs[0]["method"] != method or i // 2 < warmup:
+            if runs[0]["method"] != method or i // n_methods < warmup:
                 continue
             # From the moment the last rank enters until the last rank leaves:
             # waiting for a late rank to arrive is not part of the refit.
@@ -296,6 +320,7 @@ def _summarize(case: BenchCase, results: dict[int, dict], reps: int, warmup: int
             "max_rank_send_bytes": max(last[r]["bytes_sent"] for r in results),
             "peak_staging_bytes": max(last[r]["peak_staging_bytes"] for r in results),
             "correct": all(results[r]["correct"][method] for r in engines),
+            "recv_by_link": _sum_links(last[r].get("recv_by_link", {}) for r in engines),
         }
     raw = results[t]["raw"]
     raw_gbps = raw["bytes"] * 8 / raw["seconds"] / 1e9
@@ -306,6 +331,17 @@ def _summarize(case: BenchCase, results: dict[int, dict], reps: int, warmup: int
     r["throughput_gbps"] = volume * 8 / r["seconds_median"] / 1e9
     g = methods["gather_broadcast"]
     g["throughput_gbps"] = volume * 8 / g["seconds_median"] / 1e9
+    extra: dict[str, Any] = {}
+    if "reshard_shm" in methods:
+        sm = methods["reshard_shm"]
+        sm["throughput_gbps"] = volume * 8 / sm["seconds_median"] / 1e9
+        copy_s = _memcpy_seconds(volume)
+        extra = {
+            "memcpy_seconds": copy_s,
+            "memcpy_gbps": volume * 8 / copy_s / 1e9,
+            "shm_vs_gloo": r["seconds_median"] / sm["seconds_median"],
+            "shm_vs_memcpy": copy_s / sm["seconds_median"],
+        }
     return {
         "case": case.name,
         "trainer": f"fsdp={t}",
@@ -320,7 +356,32 @@ def _summarize(case: BenchCase, results: dict[int, dict], reps: int, warmup: int
         "bytes_kept_total": volume,
         "reshard_vs_raw": r["throughput_gbps"] / raw_gbps,
         "speedup": g["seconds_median"] / r["seconds_median"],
+        **extra,
     }
+
+
+def _sum_links(dicts) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for d in dicts:
+        for k, v in d.items():
+            out[k] = out.get(k, 0) + v
+    return out
+
+
+def _memcpy_seconds(volume: int) -> float:
+    """One process copying ``volume`` bytes between two buffers: the best of three after a warm-up."""
+    import torch
+
+    torch.set_num_threads(1)
+    a = torch.ones(volume, dtype=torch.uint8)
+    b = torch.empty_like(a)
+    best = float("inf")
+    for i in range(4):
+        t0 = time.perf_counter()
+        b.copy_(a)
+        if i:
+            best = min(best, time.perf_counter() - t0)
+    return best
 
 
 def format_result(res: dict[str, Any]) -> str:
@@ -344,6 +405,12 @@ def format_result(res: dict[str, Any]) -> str:
         f"speedup over gather-and-broadcast: {res['speedup']:.2f}x; "
         f"reshard at {res['reshard_vs_raw']:.2f}x raw point-to-point throughput"
     )
+    if "memcpy_seconds" in res:
+        lines.append(
+            f"memory copy in one process, same volume: {res['memcpy_gbps']:.2f} Gb/s ({res['memcpy_seconds']:.3f} s); "
+            f"reshard over shared memory {res['shm_vs_gloo']:.2f}x reshard over gloo, "
+            f"{res['shm_vs_memcpy']:.2f}x the memory copy's throughput"
+        )
     return "\n".join(lines)
 
 
@@ -392,8 +459,6 @@ def main(argv: list[str] | None = None) -> int:
     for name in args.case or ["default"]:
         case = CASES[name]
         if args.layers is not None:
-            from dataclasses import replace
-
             case = replace(case, layers=args.layers)
         res = run_bench(case, reps=args.reps, warmup=args.warmup)
         results.append(res)

@@ -21,6 +21,13 @@ position-weighted 64-bit Fletcher sum computed on the device for NCCL. A
 leader checks what it received before it forwards it, and checksums what it
 forwards afresh.
 
+Shared memory: messages to and from a peer this rank shares memory with
+(:meth:`RefitGroup.shares_memory`) go through a channel of
+:mod:`reshard.transport.shm` instead of the process group, cut the same way
+and laid out in the channel's slot in message order; checksums still travel
+over the process group. The stats count bytes per link (``shm``, ``gloo``,
+``nccl``).
+
 Failure: if a round fails or another rank signals an abort, the executor
 raises at once (its waits run in a helper thread so the store can be
 watched), and the caller closes the group so peers blocked on this rank
@@ -32,6 +39,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import hashlib
 import re
+import threading
 import time
 import zlib
 from collections.abc import Callable, Mapping
@@ -256,6 +264,13 @@ class _Pending:
     keep: list = field(default_factory=list)
 
 
+class _ShmWork:
+    """A shared-memory receive, waited on like a process-group work."""
+
+    def __init__(self, run: Callable[[], None]) -> None:
+        self.wait = run
+
+
 @dataclass(slots=True)
 class ExecStats:
     """What one rank moved in one refit (payload bytes, without padding)."""
@@ -276,6 +291,9 @@ class ExecStats:
     casts: dict[str, int] = field(default_factory=dict)
     """Bytes received (or copied) in one dtype and cast into a local tensor of
     another, by ``"src->dst"`` dtype pair (empty when every dtype matched)."""
+    recv_by_link: dict[str, int] = field(default_factory=dict)
+    """Bytes received per link: ``shm`` (shared memory), ``gloo`` or ``nccl``."""
+    send_by_link: dict[str, int] = field(default_factory=dict)
 
     def as_dict(self) -> dict:
         return {k: getattr(self, k) for k in self.__slots__}
@@ -325,6 +343,16 @@ class Executor:
         self._arena = torch.empty(need, dtype=torch.uint8, device=self.device) if need else None
         self._pool = cf.ThreadPoolExecutor(1, thread_name_prefix="reshard-wait")
         self._checked: set[tuple[str, str]] = set()
+        self._stop = threading.Event()
+        # Per shared-memory peer: the slot its channel needs (the busiest round).
+        self._shm_slots: dict[tuple[str, int], int] = {}
+        for rnd in plan.rounds:
+            for side, by_peer in (("send", rnd.sends), ("recv", rnd.recvs)):
+                for peer, transfers in by_peer.items():
+                    if group.shares_memory(peer):
+                        n = sum(align(packed_size(m)) for m in messages(transfers, big_bytes))
+                        key = (side, peer)
+                        self._shm_slots[key] = max(self._shm_slots.get(key, 0), n)
 
     # -- views -------------------------------------------------------------
 
@@ -414,6 +442,7 @@ class Executor:
             if pending is not None:
                 self._finish(pending, stats)
         finally:
+            self._stop.set()
             self._pool.shutdown(wait=False, cancel_futures=True)
         stats.seconds = time.perf_counter() - t0
         return stats
@@ -465,6 +494,8 @@ class Executor:
                 stats.messages_received += 1
                 stats.bytes_received += payload
                 stats.recv_by_peer[peer] = stats.recv_by_peer.get(peer, 0) + payload
+                link = self._link(peer)
+                stats.recv_by_link[link] = stats.recv_by_link.get(link, 0) + payload
         # Sends: straight from the source when it is one contiguous slice, else
         # packed. Packing is deferred until the send is posted, and zero-copy
         # sends go first, so packing overlaps with bytes already on the wire.
@@ -488,6 +519,8 @@ class Executor:
                 stats.messages_sent += 1
                 stats.bytes_sent += payload
                 stats.send_by_peer[peer] = stats.send_by_peer.get(peer, 0) + payload
+                link = self._link(peer)
+                stats.send_by_link[link] = stats.send_by_link.get(link, 0) + payload
         if self.group.backend != "nccl":
             # Messages carry their index as tag, so gloo matches them in any order.
             send_ops.sort(key=lambda x: x[0])
@@ -543,10 +576,15 @@ class Executor:
             raise RefitError("transfer", {self.plan.rank: "the refit group is closed"}, version=self.refit)
         nccl = group.backend == "nccl"
         works = []
+        shm_in: dict[int, list[tuple[int, torch.Tensor]]] = {}
+        shm_out: dict[int, list[tuple[int, torch.Tensor]]] = {}
         if nccl:
             pg._start_coalescing(self.device)
         for buf, peer, tag in recvs:
-            works.append(pg.recv([buf], peer, tag))
+            if group.shares_memory(peer):
+                shm_in.setdefault(peer, []).append((tag, buf))
+            else:
+                works.append(pg.recv([buf], peer, tag))
         for peer, buf in sums_in.items():
             works.append(pg.recv([buf], peer, buf.shape[0]))
         sums_out: dict[int, dict[int, torch.Tensor]] = {}
@@ -560,7 +598,10 @@ class Executor:
             if tamper is not None:
                 buf = tamper(self.plan.rank, peer, tag, buf)
                 keep.append(buf)
-            works.append(pg.send([buf], peer, tag))
+            if group.shares_memory(peer):
+                shm_out.setdefault(peer, []).append((tag, buf))
+            else:
+                works.append(pg.send([buf], peer, tag))
         if sums_out:
             import torch
 
@@ -570,7 +611,84 @@ class Executor:
                 works.append(pg.send([table], peer, len(by_tag)))
         if nccl:
             works = [pg._end_coalescing(self.device)]
+        for peer, bufs in shm_in.items():
+            works.append(self._shm_receive(peer, bufs))
+        for peer, bufs in shm_out.items():
+            self._shm_send(peer, bufs)
         return works
+
+    # -- shared memory ----------------------------------------------------------
+
+    def _link(self, peer: int) -> str:
+        return "shm" if self.group.shares_memory(peer) else self.group.backend
+
+    def _shm_parts(self, bufs: list[tuple[int, torch.Tensor]]) -> list[tuple[int, torch.Tensor]]:
+        """``(offset, buffer)`` in the slot: messages in index order, each aligned."""
+        parts = []
+        pos = 0
+        for _tag, buf in sorted(bufs, key=lambda x: x[0]):
+            parts.append((pos, buf))
+            pos += align(buf.numel())
+        return parts
+
+    def _shm_watch(self, peer: int, *, main: bool) -> Callable[[], None]:
+        """What a shared-memory wait checks: the peer's process is alive; and
+        on the main thread, aborts and cancels; on the helper, this refit
+        stopping."""
+        group = self.group
+
+        def watch() -> None:
+            if not group.peer_alive(peer):
+                raise RefitError(
+                    "transfer",
+                    {self.plan.rank: f"rank {peer} (pid {group.hellos[peer].pid}, shared memory) died"},
+                    version=self.refit,
+                )
+            if not main:
+                if self._stop.is_set():
+                    raise RefitError("transfer", {self.plan.rank: "stopped"}, version=self.refit)
+                return
+            why = group.cancelled() if group.cancelled is not None else None
+            if why:
+                raise RefitError("transfer", {self.plan.rank: f"cancelled: {why}"}, version=self.refit)
+            msg = group.aborted(self.refit)
+            if msg is not None:
+                raise RefitError("transfer", {self.plan.rank: f"stopped: {msg}"}, version=self.refit)
+
+        return watch
+
+    def _shm_send(self, peer: int, bufs: list[tuple[int, torch.Tensor]]) -> None:
+        """Copy a round's messages to ``peer`` into its channel (waiting for the slot)."""
+        group = self.group
+        slot = self._shm_slots[("send", peer)]
+        seq = group.shm_seq(self.plan.rank, peer, slot)
+        deadline = time.monotonic() + group.config.timeout_s
+        watch = self._shm_watch(peer, main=True)
+        try:
+            ch = group.channel(self.plan.rank, peer, slot, deadline=deadline, watch=watch)
+            ch.put(seq, self._shm_parts(bufs), watch, deadline)
+        except TimeoutError as e:
+            raise RefitError(
+                "transfer", {self.plan.rank: f"{e} (sending to rank {peer} through shared memory)"}, version=self.refit
+            ) from e
+
+    def _shm_receive(self, peer: int, bufs: list[tuple[int, torch.Tensor]]) -> _ShmWork:
+        """A work whose ``wait()`` copies a round's messages from ``peer``'s channel."""
+        group = self.group
+        slot = self._shm_slots[("recv", peer)]
+        seq = group.shm_seq(peer, self.plan.rank, slot)
+        watch = self._shm_watch(peer, main=False)
+        parts = self._shm_parts(bufs)
+
+        def run() -> None:
+            deadline = time.monotonic() + group.config.timeout_s
+            try:
+                ch = group.channel(peer, self.plan.rank, slot, deadline=deadline, watch=watch)
+                ch.get(seq, parts, watch, deadline)
+            except TimeoutError as e:
+                raise RuntimeError(f"{e} (receiving from rank {peer} through shared memory)") from e
+
+        return _ShmWork(run)
 
     def _verify(self, p: _Pending, stats: ExecStats) -> None:
         """Check every message of a finished round against its sender's checksum."""

@@ -99,6 +99,14 @@ class GroupConfig:
     host of ``address``; ``"0.0.0.0"`` or ``"::"``: every interface."""
     max_metadata_bytes: int = wire.MAX_MESSAGE_BYTES
     """Largest metadata message (layout, table, status) a rank accepts."""
+    shared_memory: bool = False
+    """Move bytes through shared memory (``/dev/shm``) to and from ranks on
+    the same host that say so too, when both hold CPU tensors; other peers
+    keep the process group (:mod:`reshard.transport.shm`)."""
+    shm_host: str | None = None
+    """This rank's host label for shared-memory links; ``None``: the machine
+    and its ``/dev/shm`` mount (:func:`reshard.transport.shm.host_id`).
+    Ranks with different labels never share memory."""
 
     def __post_init__(self) -> None:
         host, sep, port = self.address.rpartition(":")
@@ -285,6 +293,8 @@ class RefitGroup:
     progress (another thread says so); every wait checks it."""
     _ns: Any = None
     _tcp_store: Any = None
+    _channels: dict[tuple[int, int], Any] = field(default_factory=dict)
+    _shm_seq: dict[tuple[int, int, int], int] = field(default_factory=dict)
 
     # -- joining -------------------------------------------------------------
 
@@ -319,6 +329,11 @@ class RefitGroup:
         deadline = time.monotonic() + config.timeout_s
         tcp = _connect(config, rank)
         domain = config.domain or os.environ.get("RESHARD_DOMAIN") or socket.gethostname()
+        shm_host = ""
+        if config.shared_memory and dev.type == "cpu" and backend == "gloo":
+            from reshard.transport.shm import host_id
+
+            shm_host = config.shm_host or host_id()
         hello = wire.Hello(
             rank=rank,
             role=role,
@@ -332,6 +347,7 @@ class RefitGroup:
             budget_bytes=budget_bytes,
             round_bytes=round_bytes,
             big_bytes=big_bytes,
+            shm_host=shm_host,
         )
         hello_keys = [f"hello/{r}" for r in range(config.world_size)]
         try:
@@ -516,6 +532,48 @@ class RefitGroup:
         index = {lab: i for i, lab in enumerate(labels)}
         return {r: index[h.domain] for r, h in self.hellos.items()}
 
+    def shares_memory(self, peer: int) -> bool:
+        """Whether this rank and ``peer`` move bytes through shared memory
+        (both said so, on one host, with CPU tensors; the same on both sides)."""
+        mine, theirs = self.hellos.get(self.rank), self.hellos.get(peer)
+        return bool(mine and theirs and mine.shm_host and mine.shm_host == theirs.shm_host)
+
+    def shm_seq(self, src: int, dst: int, slot_bytes: int) -> int:
+        """The next round number of the channel ``src -> dst`` with slots of
+        ``slot_bytes`` (counted alike on both sides, in round order)."""
+        key = (src, dst, slot_bytes)
+        self._shm_seq[key] = n = self._shm_seq.get(key, 0) + 1
+        return n
+
+    def channel(self, src: int, dst: int, slot_bytes: int, *, deadline: float, watch) -> Any:
+        """The shared-memory channel ``src -> dst`` (this rank is one of them),
+        created by the sender, mapped by the receiver, kept for later refits;
+        a busier plan replaces it with a bigger one."""
+        from reshard.transport.shm import Channel, channel_name
+
+        ch = self._channels.get((src, dst))
+        if ch is not None and ch.slot_bytes == slot_bytes:
+            return ch
+        if ch is not None:
+            ch.close()
+        assert self.keys is not None
+        name = channel_name(self.keys.namespace, self.epoch, src, self.hellos[src].pid, dst, slot_bytes)
+        ch = Channel(name, slot_bytes, create=src == self.rank, deadline=deadline, watch=watch)
+        self._channels[(src, dst)] = ch
+        return ch
+
+    def peer_alive(self, peer: int) -> bool:
+        """False when ``peer`` runs on this host (shared memory) and its process is gone."""
+        if not self.shares_memory(peer):
+            return True
+        try:
+            os.kill(self.hellos[peer].pid, 0)
+        except ProcessLookupError:
+            return False
+        except OSError:
+            pass
+        return True
+
     def _wait_keys(
         self,
         keys: list[str],
@@ -668,6 +726,9 @@ class RefitGroup:
     def close(self) -> None:
         """Drop the process group: its connections close, so peers blocked on
         this rank fail at once instead of waiting for their timeout."""
+        for ch in self._channels.values():
+            ch.close()
+        self._channels.clear()
         pg = self.pg
         self.pg = None
         if pg is not None and self.backend == "nccl":

@@ -67,6 +67,9 @@ class Hello(msgspec.Struct, frozen=True, kw_only=True, tag="hello"):
     """Round size this rank asks for; the group plans with the smallest asked."""
     big_bytes: int = 0
     """Message size from which transfers travel alone; the group uses the smallest asked."""
+    shm_host: str = ""
+    """The host (and ``/dev/shm`` mount) this rank shares memory on; empty:
+    no shared-memory links (``GroupConfig.shared_memory``)."""
 
 
 class RankLayout(msgspec.Struct, frozen=True, kw_only=True, tag="layout"):

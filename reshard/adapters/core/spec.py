@@ -48,6 +48,8 @@ class GroupSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     atomic: bool = False
     """vLLM: keep every old weight until every rank reported a complete transfer."""
     version: int = 1
+    shared_memory: bool = False
+    """Workers move bytes through shared memory with ranks on their host that say so too."""
 
     @classmethod
     def of(
@@ -77,6 +79,7 @@ class GroupSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
             engine_offset=engine_offset,
             budget_bytes=budget_bytes,
             atomic=atomic,
+            shared_memory=config.shared_memory,
         )
 
     @classmethod
@@ -107,6 +110,7 @@ class GroupSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
             domain=self.domain,
             token=self.token,
             host_store=False,
+            shared_memory=self.shared_memory,
         )
 
     def rank_of(self, worker: int) -> int:

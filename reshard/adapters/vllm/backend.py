@@ -95,6 +95,7 @@ class ReshardInitInfo(WeightTransferInitInfo):
     engine_offset: int = 0
     budget_bytes: int = DEFAULT_BUDGET_BYTES
     atomic: bool = False
+    shared_memory: bool = False
 
     def spec(self) -> GroupSpec:
         return GroupSpec.parse(asdict(self))
@@ -288,6 +289,9 @@ class ReshardTrainerInitInfo(TrainerInitInfo):
     two_phase: bool = False
     """Refit in two phases: workers receive into staging buffers while the
     engine serves, then apply with generation paused only for that."""
+    shared_memory: bool = False
+    """Move bytes through shared memory between trainer ranks and workers on
+    one host (colocated, CPU tensors); see ``GroupConfig.shared_memory``."""
     pause_mode: str = "wait"
     """How a server pauses around a two-phase commit (vLLM's ``/pause``
     modes): ``wait`` lets requests in flight finish on the old weights."""
@@ -351,6 +355,7 @@ class ReshardTrainerEngine(TrainerWeightTransferEngine[ReshardTrainerInitInfo]):
             timeout_s=init_info.timeout_s,
             checksums=init_info.checksums,
             host_store=False,
+            shared_memory=init_info.shared_memory,
         )
         self.sender = Sender(module, config=cfg, rank=init_info.rank)
         self.refits = 0

@@ -1,0 +1,151 @@
+"""Shared-memory links between ranks on one host (``GroupConfig(shared_memory=True)``).
+
+Real processes: random layouts move bit-exactly with every pair of ranks on
+one host label sharing memory and the others on gloo (one refit mixes both),
+refits repeat on the same channels (and on bigger ones when a plan needs
+them), a reader killed mid-refit fails every rank quickly and the next
+refit works, and nothing is left in ``/dev/shm``.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+
+from reshard.errors import RefitError
+from reshard.plan.box import Box
+from reshard.plan.layout import TensorMeta
+from reshard.plan.specs import PieceSpec
+from reshard.receiver import Receiver
+from reshard.sender import Sender
+from reshard.transport.group import GroupConfig
+from reshard.transport.shm import SHM_DIR
+
+from . import procs
+from .test_transport import _collect, _encode, _relayouts, run_problems
+
+
+def _leftovers() -> list[str]:
+    return sorted(f for f in os.listdir(SHM_DIR) if f.startswith("reshard-"))
+
+
+@pytest.fixture(autouse=True)
+def _nothing_left_behind():
+    before = set(_leftovers())
+    yield
+    assert set(_leftovers()) - before == set(), "shared-memory files left in /dev/shm"
+
+
+def test_random_layouts_move_bit_exactly_over_shared_memory_and_gloo_mixed():
+    found = _collect(40)[:20]  # the problems test_transport plays over gloo
+    blobs = [_encode(p) for p in found]
+    world = max(len(p.ranks) for p in found)
+    server = procs.StoreServer()
+    out = procs.check(procs.run(run_problems, world, server.port, blobs, 4096, True, timeout=600))
+    assert set().union(*map(set, out)) == {f"p{i}" for i in range(len(found))}
+
+
+def test_repeated_refits_and_layout_changes_over_shared_memory():
+    server = procs.StoreServer()
+    out = procs.check(procs.run(_relayouts, 4, server.address, True, reuse=True))
+    for rank, per_refit in enumerate(out):
+        assert all(ok for ok, _ in per_refit), (rank, per_refit)
+
+
+W = TensorMeta("w", (256, 96), "float32")
+
+
+def _full(version: int) -> torch.Tensor:
+    return torch.randn(W.shape, generator=torch.Generator().manual_seed(version))
+
+
+def _mixed(rank: int, address: str, hosts: list[str], refits: list[int], kill: bool = False) -> dict:
+    """2 trainer ranks hold row halves, 2 engine ranks keep column halves;
+    ``hosts[r]`` is rank r's host label (equal labels share memory). Small
+    rounds, so a refit takes several. ``kill``: this rank dies after the
+    first round of its first refit."""
+    cfg = GroupConfig(
+        address=address,
+        num_sources=2,
+        num_destinations=2,
+        timeout_s=60,
+        host_store=False,
+        shared_memory=True,
+        shm_host=hosts[rank],
+    )
+    out: dict = {"rank": rank, "refits": []}
+    if rank < 2:
+        local = _full(1)[rank * 128 : (rank + 1) * 128].clone()
+        s = Sender.from_pieces(
+            [PieceSpec(W, Box((rank * 128, 0), (128, 96)), "w", (128, 96))],
+            {"w": local},
+            config=cfg,
+            rank=rank,
+            round_bytes=16 << 10,
+        )
+        for n in refits:
+            local.copy_(_full(n)[rank * 128 : (rank + 1) * 128])
+            t0 = time.monotonic()
+            try:
+                st = s.push(n)
+                out["refits"].append({"ok": True, "links": dict(st.exec.send_by_link)})
+            except RefitError as e:
+                out["refits"].append({"ok": False, "error": str(e), "seconds": time.monotonic() - t0})
+        s.close()
+        return out
+    j = rank - 2
+    dst = torch.zeros(256, 48)
+    r = Receiver(
+        {"w": dst},
+        [PieceSpec(W, Box((0, j * 48), (256, 48)), "w", (256, 48))],
+        config=cfg,
+        rank=rank,
+        round_bytes=16 << 10,
+    )
+    for n in refits:
+        t0 = time.monotonic()
+        try:
+            st = r.pull(n, after_round=(lambda i: os._exit(9)) if kill else None)
+        except RefitError as e:
+            out["refits"].append({"ok": False, "error": str(e), "seconds": time.monotonic() - t0})
+            continue
+        exact = torch.equal(dst, _full(n)[:, j * 48 : (j + 1) * 48])
+        out["refits"].append({"ok": exact, "links": dict(st.exec.recv_by_link)})
+    r.close()
+    return out
+
+
+def test_a_mixed_group_uses_shared_memory_on_one_host_and_gloo_across():
+    """Ranks 0 and 2 on host a, ranks 1 and 3 on host b: each engine rank gets
+    its bytes from one trainer over shared memory and from the other over gloo."""
+    server = procs.StoreServer()
+    out = procs.check(procs.run(_mixed, 4, server.address, ["a", "b", "a", "b"], [1, 2], reuse=True))
+    for o in out:
+        assert [r["ok"] for r in o["refits"]] == [True, True], o
+        assert set(o["refits"][-1]["links"]) == {"shm", "gloo"}, o
+    # Each engine rank keeps 256 x 48 float32, half from each trainer.
+    for o in out[2:]:
+        assert o["refits"][-1]["links"] == {"shm": 128 * 48 * 4, "gloo": 128 * 48 * 4}, o
+
+
+def test_a_reader_killed_mid_refit_fails_every_rank_fast_and_the_next_refit_works():
+    """Engine rank 3 dies after its first round of refit 1; the trainers (its
+    shared-memory senders) and rank 2 raise within seconds, not at the 60 s
+    timeout; a new process takes rank 3 and refit 2 succeeds on every rank."""
+    server = procs.StoreServer()
+    hosts = ["a"] * 4
+    running = [procs.spawn(_mixed, r, server.address, hosts, [1, 2]) for r in range(3)]
+    dead = procs.spawn(_mixed, 3, server.address, hosts, [1], True).outcome(120)
+    assert dead.exitcode == 9, (dead.exitcode, dead.error)
+    # A restarted engine worker takes rank 3 for refit 2.
+    again = procs.spawn(_mixed, 3, server.address, hosts, [2])
+    results = procs.check([running[r].outcome(120) for r in range(3)] + [again.outcome(120)])
+    for o in results[:3]:
+        first, second = o["refits"]
+        assert not first["ok"] and first["seconds"] < 20, first
+        assert "rank 3" in first["error"], first["error"]
+        assert second["ok"], second
+    assert [r["ok"] for r in results[3]["refits"]] == [True], results[3]
