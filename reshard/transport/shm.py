@@ -11,9 +11,11 @@ round between the pair. Rounds alternate slots, so the sender writes round
 Protocol (one writer, one reader, per channel): the channel counts the
 rounds it carried (``seq``, the same on both sides: the plans agree on
 which rounds carry messages between the pair). The sender waits until the
-reader released slot ``seq % 2`` (it read round ``seq - 2``), copies the
-round's messages into it and publishes ``seq`` in the header; the reader
-waits for ``seq``, copies the messages out, and releases the slot. Every
+reader released slot ``seq % 2`` (it read round ``seq - 2``), announces
+``seq`` in the header, and copies the round's messages into the slot in
+chunks, publishing after each how far the slot is written; the reader
+copies each chunk out as soon as it is written (the two copies overlap),
+then releases the slot. Every
 wait is bounded by the group's timeout, and notices a peer process that
 died (same host: its pid) within a fraction of a second, so a dead reader
 never wedges a sender. The header words are 8-byte aligned stores and
@@ -47,8 +49,11 @@ __all__ = ["SHM_DIR", "Channel", "host_id"]
 SHM_DIR = "/dev/shm"
 _HEADER = 4096
 _MAGIC = 0x7265736861726401
-_W = 2  # header words: magic, slot bytes, written[2], read[2]
+_W = 2  # header words: magic, slot bytes, announced[2], read[2], written bytes[2]
 _R = 4
+_B = 6
+CHUNK_BYTES = 4 << 20
+"""A reader copies out what is written in pieces of this size."""
 
 
 def host_id() -> str:
@@ -138,22 +143,33 @@ class Channel:
         """Send round ``seq`` (1, 2, ... on this channel): ``parts`` are
         ``(offset, bytes)`` within the slot. Waits for the slot to be free."""
         s = seq % 2
-        _wait(lambda: int(self.head[_R + s]) >= seq - 2, watch, deadline)
+        head = self.head
+        _wait(_reached(head, _R + s, seq - 2), watch, deadline)
         slot = self._slot(seq)
+        head[_B + s] = 0
+        head[_W + s] = seq
         for off, data in parts:
-            slot.narrow(0, off, data.numel()).copy_(data)
-        self.head[_W + s] = seq
+            n = data.numel()
+            for a in range(0, n, CHUNK_BYTES):
+                b = min(n, a + CHUNK_BYTES)
+                slot.narrow(0, off + a, b - a).copy_(data.narrow(0, a, b - a))
+                head[_B + s] = off + b
 
     def get(
         self, seq: int, parts: Sequence[tuple[int, torch.Tensor]], watch: Callable[[], None], deadline: float
     ) -> None:
         """Receive round ``seq`` into ``parts`` (``(offset, buffer)``), then release its slot."""
         s = seq % 2
-        _wait(lambda: int(self.head[_W + s]) >= seq, watch, deadline)
+        head = self.head
+        _wait(_reached(head, _W + s, seq), watch, deadline)
         slot = self._slot(seq)
         for off, out in parts:
-            out.copy_(slot.narrow(0, off, out.numel()))
-        self.head[_R + s] = seq
+            n = out.numel()
+            for a in range(0, n, CHUNK_BYTES):
+                b = min(n, a + CHUNK_BYTES)
+                _wait(_reached(head, _B + s, off + b), watch, deadline)
+                out.narrow(0, a, b - a).copy_(slot.narrow(0, off + a, b - a))
+        head[_R + s] = seq
 
     def close(self) -> None:
         """Unmap (once no tensor views it) and remove the name if still there."""
@@ -166,6 +182,10 @@ class Channel:
             # A view still alive keeps the mapping; it goes with the view.
             with contextlib.suppress(BufferError):
                 mm.close()
+
+
+def _reached(head: torch.Tensor, word: int, value: int) -> Callable[[], bool]:
+    return lambda: int(head[word]) >= value
 
 
 def _unlink(path: str) -> None:
