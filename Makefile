@@ -9,7 +9,7 @@ STAMP := $(VENV)/.reshard-installed
 SGLANG_VENV ?= .venv-sglang
 SGLANG_STAMP := $(SGLANG_VENV)/.reshard-sglang-setup
 
-.PHONY: setup sglang-setup demo test lint typecheck unit clean
+.PHONY: setup sglang-setup demo test lint typecheck unit unit-zoo unit-rest clean
 
 setup: $(STAMP)
 
@@ -45,10 +45,23 @@ lint: setup
 typecheck: setup
 	$(BIN)/mypy
 
-unit: setup sglang-setup
-	RESHARD_SGLANG_VENV=$(abspath $(SGLANG_VENV)) $(BIN)/python -m pytest -q tests
+PYTEST := RESHARD_SGLANG_VENV=$(abspath $(SGLANG_VENV)) $(BIN)/python -m pytest -q
 
-test: lint typecheck unit
+unit: setup sglang-setup
+	$(PYTEST) tests
+
+# `make test` runs two jobs at a time (this machine has 2 cores, and much of
+# a test's time is processes starting and engines loading): the two venvs
+# install side by side, then the zoo (26 engine configurations, one engine at
+# a time) runs beside every other test module, with lint and mypy.
+test:
+	$(MAKE) -j2 unit-rest lint typecheck unit-zoo
+
+unit-zoo: setup sglang-setup
+	$(PYTEST) tests/test_zoo.py
+
+unit-rest: setup sglang-setup
+	$(PYTEST) tests --ignore=tests/test_zoo.py
 
 clean:
 	rm -rf $(VENV) $(SGLANG_VENV) .pytest_cache .ruff_cache .mypy_cache .hypothesis
