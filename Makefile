@@ -9,7 +9,7 @@ STAMP := $(VENV)/.reshard-installed
 SGLANG_VENV ?= .venv-sglang
 SGLANG_STAMP := $(SGLANG_VENV)/.reshard-sglang-setup
 
-.PHONY: setup sglang-setup demo test lint typecheck unit unit-zoo unit-rest clean
+.PHONY: setup sglang-setup demo test lint typecheck unit unit-engines unit-rest clean
 
 setup: $(STAMP)
 
@@ -52,16 +52,19 @@ unit: setup sglang-setup
 
 # `make test` runs two jobs at a time (this machine has 2 cores, and much of
 # a test's time is processes starting and engines loading): the two venvs
-# install side by side, then the zoo (26 engine configurations, one engine at
-# a time) runs beside every other test module, with lint and mypy.
-test:
-	$(MAKE) -j2 unit-rest lint typecheck unit-zoo
+# install side by side, then lint and mypy, then the test suite in two
+# halves of about equal length: the zoo (26 engine configurations) with the
+# vLLM client and fault modules, and every other module.
+ENGINE_TESTS := tests/test_zoo.py tests/test_vllm_clients.py tests/test_vllm_faults.py
 
-unit-zoo: setup sglang-setup
-	$(PYTEST) tests/test_zoo.py
+test:
+	$(MAKE) -j2 lint typecheck unit-rest unit-engines
+
+unit-engines: setup sglang-setup
+	$(PYTEST) $(ENGINE_TESTS)
 
 unit-rest: setup sglang-setup
-	$(PYTEST) tests --ignore=tests/test_zoo.py
+	$(PYTEST) tests $(addprefix --ignore=,$(ENGINE_TESTS))
 
 clean:
 	rm -rf $(VENV) $(SGLANG_VENV) .pytest_cache .ruff_cache .mypy_cache .hypothesis

@@ -73,7 +73,8 @@ def run(request, tmp_path_factory):
         out = {"tp": tp, "fresh_v2": server.greedy(), "phases": _phases(server.url, tp)}
         # In place: v1, v2, a bad update, v1; two-phase: v2, a bad update.
         steps = [(v1, "", False), (v2, "", False), (v1, "shape", False), (v1, "", False)]
-        steps += [(v2, "", True), (v1, "shape", True)]
+        if tp == 2:
+            steps += [(v2, "", True), (v1, "shape", True)]
         store_port, pg_port = procs.free_port(), procs.free_port()
         out["trainers"] = procs.check(
             procs.run(weight_sync_trainer, 2, server.url, store_port, pg_port, 2, tp, steps, timeout=600)
@@ -114,6 +115,8 @@ def test_a_two_phase_refit_gives_a_fresh_servers_tokens_and_a_bad_one_keeps_them
     """``two_phase=True``: staged while the server serves, committed paused;
     a staging failure (refused at the plan) surfaces at the commit, and the
     server keeps serving its weights."""
+    if run["tp"] != 2:
+        pytest.skip("two-phase refits run at TP=2 (the staging path is the same at TP=1)")
     steps = run["trainers"][0]["steps"]
     assert steps[4]["error"] is None, steps[4]
     assert steps[4]["tokens"] == run["fresh_v2"]

@@ -13,7 +13,7 @@ from .vllm_support import faults_scenario
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
-SOAK = 100
+SOAK = 50
 
 
 @pytest.fixture(scope="module")
