@@ -54,8 +54,8 @@ unit: setup sglang-setup
 # a test's time is processes starting and engines loading): the two venvs
 # install side by side, then lint and mypy, then the test suite in two
 # halves of about equal length: the zoo (26 engine configurations) with the
-# vLLM client and fault modules, and every other module.
-ENGINE_TESTS := tests/test_zoo.py tests/test_vllm_clients.py tests/test_vllm_faults.py
+# vLLM client and fault modules and the examples, and every other module.
+ENGINE_TESTS := tests/test_zoo.py tests/test_vllm_clients.py tests/test_vllm_faults.py tests/test_examples.py
 
 test:
 	$(MAKE) -j2 lint typecheck unit-rest unit-engines

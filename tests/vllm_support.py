@@ -252,7 +252,7 @@ def plain_trainer(
         address=address,
         num_sources=1,
         num_destinations=num_destinations,
-        timeout_s=20,
+        timeout_s=60,
         host_store=False,
         generation=generation,
     )
@@ -337,7 +337,7 @@ def faults_scenario(rank: int, v1: str, v2: str, address: str, soak: int) -> dic
                 "address": address,
                 "num_sources": 1,
                 "num_destinations": 1,
-                "timeout_s": 20,
+                "timeout_s": 60,
                 "generation": gen,
                 "budget_bytes": small,
                 "atomic": atomic,
