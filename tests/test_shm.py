@@ -149,3 +149,52 @@ def test_a_reader_killed_mid_refit_fails_every_rank_fast_and_the_next_refit_work
         assert "rank 3" in first["error"], first["error"]
         assert second["ok"], second
     assert [r["ok"] for r in results[3]["refits"]] == [True], results[3]
+
+
+def _sizes_change_back(rank: int, address: str) -> list[bool]:
+    """One group, three refits of several rounds: the engine ranks keep column
+    halves, then row halves (each from one trainer rank), then column halves
+    again; each pair's channel grows or shrinks with its busiest round and
+    starts counting anew each time."""
+    cfg = GroupConfig(
+        address=address, num_sources=2, num_destinations=2, timeout_s=30, host_store=False, shared_memory=True
+    )
+    if rank < 2:
+        local = _full(1)[rank * 128 : (rank + 1) * 128].clone()
+        s = Sender.from_pieces(
+            [PieceSpec(W, Box((rank * 128, 0), (128, 96)), "w", (128, 96))],
+            {"w": local},
+            config=cfg,
+            rank=rank,
+            round_bytes=8 << 10,
+        )
+        for n in (1, 2, 3):
+            local.copy_(_full(n)[rank * 128 : (rank + 1) * 128])
+            s.push(n)
+        s.close()
+        return [True]
+    j = rank - 2
+    boxes = {1: Box((0, j * 48), (256, 48)), 2: Box((j * 128, 0), (128, 96)), 3: Box((0, j * 48), (256, 48))}
+    r = None
+    ok = []
+    for n, box in boxes.items():
+        dst = torch.zeros(box.sizes)
+        piece = PieceSpec(W, box, "w", box.sizes)
+        if r is None:
+            r = Receiver({"w": dst}, [piece], config=cfg, rank=rank, round_bytes=8 << 10)
+        else:
+            from reshard.plan.specs import build_layout
+
+            r.set_layout(build_layout(rank, [piece]), {"w": dst})
+        r.pull(n)
+        want = _full(n)[tuple(slice(o, o + k) for o, k in zip(box.offsets, box.sizes, strict=True))]
+        ok.append(torch.equal(dst, want))
+    assert r is not None
+    r.close()
+    return ok
+
+
+def test_channels_follow_the_plan_when_its_rounds_grow_and_shrink_back():
+    server = procs.StoreServer()
+    out = procs.check(procs.run(_sizes_change_back, 4, server.address, reuse=True, timeout=120))
+    assert out[2:] == [[True, True, True]] * 2, out

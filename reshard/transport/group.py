@@ -294,7 +294,7 @@ class RefitGroup:
     _ns: Any = None
     _tcp_store: Any = None
     _channels: dict[tuple[int, int], Any] = field(default_factory=dict)
-    _shm_seq: dict[tuple[int, int, int], int] = field(default_factory=dict)
+    _shm_seq: dict[tuple[int, int], tuple[int, int]] = field(default_factory=dict)
 
     # -- joining -------------------------------------------------------------
 
@@ -540,9 +540,11 @@ class RefitGroup:
 
     def shm_seq(self, src: int, dst: int, slot_bytes: int) -> int:
         """The next round number of the channel ``src -> dst`` with slots of
-        ``slot_bytes`` (counted alike on both sides, in round order)."""
-        key = (src, dst, slot_bytes)
-        self._shm_seq[key] = n = self._shm_seq.get(key, 0) + 1
+        ``slot_bytes`` (counted alike on both sides, in round order; a new
+        slot size means a new channel, counted from 1)."""
+        size, n = self._shm_seq.get((src, dst), (slot_bytes, 0))
+        n = n + 1 if size == slot_bytes else 1
+        self._shm_seq[(src, dst)] = (slot_bytes, n)
         return n
 
     def channel(self, src: int, dst: int, slot_bytes: int, *, deadline: float, watch) -> Any:
