@@ -286,18 +286,29 @@ def run_engine_bench(
                 tokens[method] = greedy(llm)
         results = collect(q, procs, timeout=600)
     finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
+        join_all(procs)
         shutdown(llm)
+    merge_ranks(rows, results)
+    return summarize(rows, tokens, kept, model_bytes, size_mb, tp, trainers, dtype, reps, warmup)
+
+
+def join_all(procs) -> None:
+    """Wait a little for every helper process, then kill what is left."""
+    for p in procs:
+        p.join(timeout=30)
+        if p.is_alive():
+            p.kill()
+
+
+def merge_ranks(rows: list[dict[str, Any]], results: list[tuple[str, int, Any]]) -> None:
+    """Put every trainer rank's and raw sink's records into the driver's rows;
+    a raw transfer takes as long as its slowest process."""
     for name, _rank, value in results:
         for r in value:
             rows[r["step"]].setdefault("trainers" if name == "trainer_rank" else "sinks", []).append(r)
     for row in rows:
         if row["method"] == "raw_p2p":
             row["seconds"] = max(r["seconds"] for r in row["trainers"] + row["sinks"])
-    return summarize(rows, tokens, kept, model_bytes, size_mb, tp, trainers, dtype, reps, warmup)
 
 
 def collect(q, procs, timeout: float) -> list[tuple[str, int, Any]]:

@@ -219,17 +219,9 @@ def run_sglang_bench(
                 tokens[method] = _greedy(url)
         results = eb.collect(q, procs, timeout=600)
     finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
+        eb.join_all(procs)
         _stop(server)
-    for name, _rank, value in results:
-        for r in value:
-            rows[r["step"]].setdefault("trainers" if name == "trainer_rank" else "sinks", []).append(r)
-    for row in rows:
-        if row["method"] == "raw_p2p":
-            row["seconds"] = max(r["seconds"] for r in row["trainers"] + row["sinks"])
+    eb.merge_ranks(rows, results)
     return eb.summarize(
         rows,
         tokens,
