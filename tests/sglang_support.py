@@ -57,11 +57,15 @@ class Server:
         self.url = f"http://127.0.0.1:{port}"
         self.tp = tp
         self.log = log
+        # On CPU SGLang sizes its KV cache from the machine's free memory before
+        # and after loading: with 0.05 a load that overlaps other tests' engines
+        # (free memory dropping by >5%) leaves "no memory for the KV cache".
+        # --max-total-tokens caps what it allocates either way.
         args = [
             str(python), "-m", "tests.sglang_serve",
             "--model-path", str(model), "--device", "cpu", "--tp-size", str(tp), "--dtype", "float32",
             "--attention-backend", "torch_native", "--sampling-backend", "pytorch", "--disable-cuda-graph",
-            "--mem-fraction-static", "0.05", "--max-total-tokens", "2048", "--max-running-requests", "4",
+            "--mem-fraction-static", "0.5", "--max-total-tokens", "2048", "--max-running-requests", "4",
             "--chunked-prefill-size", "512", "--skip-server-warmup", "--random-seed", "0",
             "--log-level", "warning", "--host", "127.0.0.1", "--port", str(port),
             "--custom-weight-loader", HOOK,
