@@ -29,7 +29,8 @@ from .test_transport import _collect, _encode, _relayouts, run_problems
 
 
 def _leftovers() -> list[str]:
-    return sorted(f for f in os.listdir(SHM_DIR) if f.startswith("reshard-"))
+    # torch_*: what moving a trainer's storage into shared memory could leave.
+    return sorted(f for f in os.listdir(SHM_DIR) if f.startswith(("reshard-", "torch_")))
 
 
 @pytest.fixture(autouse=True)
@@ -39,13 +40,19 @@ def _nothing_left_behind():
     assert set(_leftovers()) - before == set(), "shared-memory files left in /dev/shm"
 
 
-def test_random_layouts_move_bit_exactly_over_shared_memory_and_gloo_mixed():
-    found = _collect(40)[:20]  # the problems test_transport plays over gloo
+@pytest.mark.parametrize("mode", ["channels", "export"])
+def test_random_layouts_move_bit_exactly_over_shared_memory_and_gloo_mixed(mode):
+    """Half the problems test_transport plays over gloo each way: through the
+    channels (two copies), and read straight from the trainers' exported
+    tensors (one copy); ranks on the other host label still use gloo."""
+    found = _collect(40)[:20] if mode == "channels" else _collect(40)[20:]
     blobs = [_encode(p) for p in found]
     world = max(len(p.ranks) for p in found)
     server = procs.StoreServer()
-    out = procs.check(procs.run(run_problems, world, server.port, blobs, 4096, True, timeout=600))
-    assert set().union(*map(set, out)) == {f"p{i}" for i in range(len(found))}
+    shm = True if mode == "channels" else "export"
+    out = procs.check(procs.run(run_problems, world, server.port, blobs, 4096, shm, timeout=600))
+    direct = {"direct"} if mode == "export" else set()
+    assert set().union(*map(set, out)) == {f"p{i}" for i in range(len(found))} | direct
 
 
 def test_repeated_refits_and_layout_changes_over_shared_memory():
@@ -62,12 +69,16 @@ def _full(version: int) -> torch.Tensor:
     return torch.randn(W.shape, generator=torch.Generator().manual_seed(version))
 
 
-def _mixed(rank: int, address: str, hosts: list[str], refits: list[int], kill: bool = False) -> dict:
+def _mixed(
+    rank: int, address: str, hosts: list[str], refits: list[int], kill: bool = False, export: bool = False
+) -> dict:
     """2 trainer ranks hold row halves, 2 engine ranks keep column halves;
     ``hosts[r]`` is rank r's host label (equal labels share memory). Small
     rounds, so a refit takes several. ``kill``: this rank dies after the
-    first round of its first refit."""
+    first round of its first refit. ``export``: the trainers export their
+    tensors and update them in place between refits."""
     cfg = GroupConfig(
+        export_sources=export,
         address=address,
         num_sources=2,
         num_destinations=2,
@@ -91,7 +102,7 @@ def _mixed(rank: int, address: str, hosts: list[str], refits: list[int], kill: b
             t0 = time.monotonic()
             try:
                 st = s.push(n)
-                out["refits"].append({"ok": True, "links": dict(st.exec.send_by_link)})
+                out["refits"].append({"ok": True, "links": dict(st.exec.send_by_link), "direct": st.exec.direct_bytes})
             except RefitError as e:
                 out["refits"].append({"ok": False, "error": str(e), "seconds": time.monotonic() - t0})
         s.close()
@@ -113,35 +124,43 @@ def _mixed(rank: int, address: str, hosts: list[str], refits: list[int], kill: b
             out["refits"].append({"ok": False, "error": str(e), "seconds": time.monotonic() - t0})
             continue
         exact = torch.equal(dst, _full(n)[:, j * 48 : (j + 1) * 48])
-        out["refits"].append({"ok": exact, "links": dict(st.exec.recv_by_link)})
+        out["refits"].append({"ok": exact, "links": dict(st.exec.recv_by_link), "direct": st.exec.direct_bytes})
     r.close()
     return out
 
 
-def test_a_mixed_group_uses_shared_memory_on_one_host_and_gloo_across():
+@pytest.mark.parametrize("export", [False, True], ids=["channels", "export"])
+def test_a_mixed_group_uses_shared_memory_on_one_host_and_gloo_across(export):
     """Ranks 0 and 2 on host a, ranks 1 and 3 on host b: each engine rank gets
-    its bytes from one trainer over shared memory and from the other over gloo."""
+    its bytes from one trainer over shared memory and from the other over
+    gloo. With ``export`` the shared-memory half is read straight from the
+    trainer's tensor, which the trainer rewrites in place between refits."""
     server = procs.StoreServer()
-    out = procs.check(procs.run(_mixed, 4, server.address, ["a", "b", "a", "b"], [1, 2], reuse=True))
+    out = procs.check(procs.run(_mixed, 4, server.address, ["a", "b", "a", "b"], [1, 2, 3], False, export, reuse=True))
+    half = 128 * 48 * 4
     for o in out:
-        assert [r["ok"] for r in o["refits"]] == [True, True], o
+        assert [r["ok"] for r in o["refits"]] == [True, True, True], o
         assert set(o["refits"][-1]["links"]) == {"shm", "gloo"}, o
+        # Exported: the shared-memory part is all read straight from the
+        # trainer (each trainer sends each engine rank a quarter of the tensor).
+        assert [r["direct"] for r in o["refits"]] == [half if export else 0] * 3, o
     # Each engine rank keeps 256 x 48 float32, half from each trainer.
     for o in out[2:]:
-        assert o["refits"][-1]["links"] == {"shm": 128 * 48 * 4, "gloo": 128 * 48 * 4}, o
+        assert o["refits"][-1]["links"] == {"shm": half, "gloo": half}, o
 
 
-def test_a_reader_killed_mid_refit_fails_every_rank_fast_and_the_next_refit_works():
+@pytest.mark.parametrize("export", [False, True], ids=["channels", "export"])
+def test_a_reader_killed_mid_refit_fails_every_rank_fast_and_the_next_refit_works(export):
     """Engine rank 3 dies after its first round of refit 1; the trainers (its
     shared-memory senders) and rank 2 raise within seconds, not at the 60 s
     timeout; a new process takes rank 3 and refit 2 succeeds on every rank."""
     server = procs.StoreServer()
     hosts = ["a"] * 4
-    running = [procs.spawn(_mixed, r, server.address, hosts, [1, 2]) for r in range(3)]
-    dead = procs.spawn(_mixed, 3, server.address, hosts, [1], True).outcome(120)
+    running = [procs.spawn(_mixed, r, server.address, hosts, [1, 2], False, export) for r in range(3)]
+    dead = procs.spawn(_mixed, 3, server.address, hosts, [1], True, export).outcome(120)
     assert dead.exitcode == 9, (dead.exitcode, dead.error)
     # A restarted engine worker takes rank 3 for refit 2.
-    again = procs.spawn(_mixed, 3, server.address, hosts, [2])
+    again = procs.spawn(_mixed, 3, server.address, hosts, [2], False, export)
     results = procs.check([running[r].outcome(120) for r in range(3)] + [again.outcome(120)])
     for o in results[:3]:
         first, second = o["refits"]

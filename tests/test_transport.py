@@ -66,9 +66,10 @@ def make_locals(items, fill_from_global: bool) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def run_problems(rank: int, port: int, encoded: list[bytes], budget: int, shm: bool = False) -> list[str]:
+def run_problems(rank: int, port: int, encoded: list[bytes], budget: int, shm: bool | str = False) -> list[str]:
     """One process: play rank ``rank`` in every problem it takes part in
-    (``shm``: over shared memory, each problem's ranks split over two hosts)."""
+    (``shm``: over shared memory, each problem's ranks split over two hosts;
+    ``"export"``: with the trainers' tensors exported to shared memory)."""
     done = []
     for i, blob in enumerate(encoded):
         p = msgspec.msgpack.decode(blob, type=dict[str, object])
@@ -85,8 +86,9 @@ def run_problems(rank: int, port: int, encoded: list[bytes], budget: int, shm: b
             timeout_s=60,
             domain=f"d{domains[rank]}",
             host_store=False,
-            shared_memory=shm,
+            shared_memory=bool(shm),
             shm_host=f"h{rank % 2}" if shm else None,
+            export_sources=shm == "export",
         )
         if rank < len(src):
             lay = src[rank]
@@ -101,6 +103,8 @@ def run_problems(rank: int, port: int, encoded: list[bytes], budget: int, shm: b
             stats = r.pull(1)
             r.close()
             assert stats.exec.peak_staging_bytes <= budget, (stats.exec.peak_staging_bytes, budget)
+            if stats.exec.direct_bytes:
+                done.append("direct")
             for meta, sl in items:
                 want = global_tensor(meta)[
                     tuple(slice(o, o + n) for o, n in zip(sl.box.offsets, sl.box.sizes, strict=True))

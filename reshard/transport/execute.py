@@ -26,7 +26,11 @@ Shared memory: messages to and from a peer this rank shares memory with
 :mod:`reshard.transport.shm` instead of the process group, cut the same way
 and laid out in the channel's slot in message order; checksums still travel
 over the process group. The stats count bytes per link (``shm``, ``gloo``,
-``nccl``).
+``nccl``). A transfer whose source tensor the colocated sender exported
+(``exports``) is no message at all: the receiver copies the slice straight
+out of the sender's mapped storage while the round's messages are in
+flight (``direct_bytes``); both sides leave it out of their messages alike,
+since both see the same exports.
 
 Failure: if a round fails or another rank signals an abort, the executor
 raises at once (its waits run in a helper thread so the store can be
@@ -43,7 +47,7 @@ import threading
 import time
 import zlib
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 import msgspec
@@ -55,6 +59,7 @@ if TYPE_CHECKING:
     import torch
 
     from reshard.transport.group import RefitGroup
+    from reshard.transport.wire import Export
 
 __all__ = [
     "BIG_BYTES",
@@ -294,6 +299,9 @@ class ExecStats:
     recv_by_link: dict[str, int] = field(default_factory=dict)
     """Bytes received per link: ``shm`` (shared memory), ``gloo`` or ``nccl``."""
     send_by_link: dict[str, int] = field(default_factory=dict)
+    direct_bytes: int = 0
+    """Of the ``shm`` bytes: those read straight from a colocated sender's
+    exported tensors (received) or read so by a receiver (sent)."""
 
     def as_dict(self) -> dict:
         return {k: getattr(self, k) for k in self.__slots__}
@@ -306,6 +314,8 @@ class Executor:
     ``destinations`` to its destination tensors (engine side; a mapping may
     materialize tensors lazily). ``after_round(i)`` runs after round ``i``
     completed on this rank, when every byte it received so far has landed.
+    ``exports``: per source rank, the tensors it exported to shared memory
+    (every rank passes the same; see the module docstring).
     """
 
     def __init__(
@@ -321,12 +331,19 @@ class Executor:
         after_round: Callable[[int], None] | None = None,
         refit: int = 0,
         checksums: bool = False,
+        exports: Mapping[int, Mapping[str, Export]] | None = None,
     ) -> None:
         import torch
 
         self.checksums = checksums
         self._stats: ExecStats | None = None
         self.group = group
+        self.plan = plan
+        self._exports = {r: es for r, es in (exports or {}).items() if r == plan.rank or group.shares_memory(r)}
+        self._direct_in: dict[int, list[tuple[int, Transfer]]] = {}
+        self._direct_out: dict[int, list[tuple[int, Transfer]]] = {}
+        if self._exports:
+            plan = self._without_direct(plan)
         self.plan = plan
         self.sources = sources if sources is not None else {}
         self.destinations = destinations if destinations is not None else {}
@@ -353,6 +370,72 @@ class Executor:
                         n = sum(align(packed_size(m)) for m in messages(transfers, big_bytes))
                         key = (side, peer)
                         self._shm_slots[key] = max(self._shm_slots.get(key, 0), n)
+
+    def _is_direct(self, src: int, dst: int, t: Transfer) -> bool:
+        """Does ``t`` (from ``src`` to ``dst``, one of them this rank) skip the
+        wire, read by ``dst`` from ``src``'s exported tensor?"""
+        if t.kind == "fwd" or not self.group.shares_memory(dst if src == self.plan.rank else src):
+            return False
+        e = self._exports.get(src, {}).get(t.src.local)
+        return (
+            e is not None
+            and e.shape == tuple(t.src.local_shape)
+            and e.dtype == t.dtype
+            and (not t.src.dtype or t.src.dtype == e.dtype)
+        )
+
+    def _without_direct(self, plan: RankPlan) -> RankPlan:
+        """``plan`` without the transfers that skip the wire (kept aside per round)."""
+        me = plan.rank
+        rounds = []
+        for rnd in plan.rounds:
+            sends: dict[int, list[Transfer]] = {}
+            recvs: dict[int, list[Transfer]] = {}
+            for peer, ts in rnd.sends.items():
+                for t in ts:
+                    if self._is_direct(me, peer, t):
+                        self._direct_out.setdefault(rnd.index, []).append((peer, t))
+                    else:
+                        sends.setdefault(peer, []).append(t)
+            for peer, ts in rnd.recvs.items():
+                for t in ts:
+                    if self._is_direct(peer, me, t):
+                        self._direct_in.setdefault(rnd.index, []).append((peer, t))
+                    else:
+                        recvs.setdefault(peer, []).append(t)
+            rounds.append(replace(rnd, sends=sends, recvs=recvs))
+        return replace(plan, rounds=rounds)
+
+    def _read_direct(self, rnd: Round, stats: ExecStats) -> None:
+        """Copy this round's direct transfers out of the senders' exported
+        tensors, and count what receivers read from this rank's."""
+        for peer, t in self._direct_out.get(rnd.index, ()):
+            stats.bytes_sent += t.nbytes
+            stats.direct_bytes += t.nbytes
+            stats.send_by_peer[peer] = stats.send_by_peer.get(peer, 0) + t.nbytes
+            stats.send_by_link["shm"] = stats.send_by_link.get("shm", 0) + t.nbytes
+        for peer, t in self._direct_in.get(rnd.index, ()):
+            dst = local_view(self._tensor(t, "dst"), t.dst, t.box)
+            try:
+                if not self.group.peer_alive(peer):
+                    raise RuntimeError("its process is gone")
+                src = self.group.exported(peer, self._exports[peer][t.src.local])
+            except (OSError, RuntimeError, ValueError) as e:
+                raise RefitError(
+                    "transfer",
+                    {
+                        self.plan.rank: f"cannot read {t.tensor!r} ({t.src.local!r}) from rank {peer}'s "
+                        f"shared memory: {e}"
+                    },
+                    version=self.refit,
+                ) from e
+            dst.copy_(local_view(src, t.src, t.box))
+            if t.dst.dtype and t.dst.dtype != t.dtype:
+                _count_cast(stats, t)
+            stats.bytes_received += t.nbytes
+            stats.direct_bytes += t.nbytes
+            stats.recv_by_peer[peer] = stats.recv_by_peer.get(peer, 0) + t.nbytes
+            stats.recv_by_link["shm"] = stats.recv_by_link.get("shm", 0) + t.nbytes
 
     # -- views -------------------------------------------------------------
 
@@ -535,6 +618,8 @@ class Executor:
         works = self._post(
             [(b, p, i) for b, p, i, _, _ in recv_ops], [(p, i, make) for _, p, i, make in send_ops], sums_in, keep
         )
+        if self._direct_in or self._direct_out:
+            self._read_direct(rnd, stats)
         return _Pending(rnd, recv_ops, works, staging_bytes, sums_in, keep)
 
     def _packer(self, msg: list[Transfer], off: int, n: int) -> Callable[[], torch.Tensor]:

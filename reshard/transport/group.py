@@ -44,6 +44,7 @@ import os
 import socket
 import threading
 import time
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -107,6 +108,12 @@ class GroupConfig:
     """This rank's host label for shared-memory links; ``None``: the machine
     and its ``/dev/shm`` mount (:func:`reshard.transport.shm.host_id`).
     Ranks with different labels never share memory."""
+    export_sources: bool = False
+    """A source rank with ``shared_memory``: move its CPU source tensors'
+    storage into shared memory once (in place) so that colocated receivers
+    copy their slices straight out of it, one copy per byte instead of two
+    (:mod:`reshard.transport.shm`). The trainer's tensors stay where they
+    are as Python objects; only their bytes live in ``/dev/shm`` from then on."""
 
     def __post_init__(self) -> None:
         host, sep, port = self.address.rpartition(":")
@@ -123,6 +130,8 @@ class GroupConfig:
             raise ValueError(f"backend must be auto, gloo or nccl, got {self.backend!r}")
         if not self.job or "/" in self.job:
             raise ValueError(f"job name {self.job!r} must be non-empty and contain no '/'")
+        if self.export_sources and not self.shared_memory:
+            raise ValueError("export_sources needs shared_memory=True")
         if self.generation < 0:
             raise ValueError(f"generation must be >= 0, got {self.generation}")
         if self.token is None:
@@ -294,6 +303,7 @@ class RefitGroup:
     _ns: Any = None
     _tcp_store: Any = None
     _channels: dict[tuple[int, int], Any] = field(default_factory=dict)
+    _export_maps: Any = None
     _shm_seq: dict[tuple[int, int], tuple[int, int]] = field(default_factory=dict)
 
     # -- joining -------------------------------------------------------------
@@ -564,6 +574,21 @@ class RefitGroup:
         self._channels[(src, dst)] = ch
         return ch
 
+    def exported(self, src: int, export: wire.Export) -> torch.Tensor:
+        """Source rank ``src``'s exported tensor, mapped into this process
+        (once; the mapping is kept for later refits, see :meth:`retain_exports`)."""
+        from reshard.transport.shm import ExportMaps
+
+        if self._export_maps is None:
+            self._export_maps = ExportMaps()
+        return self._export_maps.tensor(self.hellos[src].pid, export)
+
+    def retain_exports(self, exports: Mapping[int, Iterable[wire.Export]]) -> None:
+        """Unmap exported storages that no source rank publishes any longer."""
+        if self._export_maps is not None:
+            keep = {(self.hellos[r].pid, e.fd, e.inode) for r, es in exports.items() for e in es}
+            self._export_maps.retain(keep)
+
     def peer_alive(self, peer: int) -> bool:
         """False when ``peer`` runs on this host (shared memory) and its process is gone."""
         if not self.shares_memory(peer):
@@ -731,6 +756,8 @@ class RefitGroup:
         for ch in self._channels.values():
             ch.close()
         self._channels.clear()
+        if self._export_maps is not None:
+            self._export_maps.close()
         pg = self.pg
         self.pg = None
         if pg is not None and self.backend == "nccl":

@@ -51,6 +51,7 @@ from reshard.transport.baseline import gather_broadcast
 from reshard.transport.execute import BIG_BYTES, DEFAULT_BUDGET_BYTES, ExecStats, Executor, link_summary, staging_need
 from reshard.transport.group import ABORT_GRACE_S, EpochMoved, GroupConfig, RefitGroup
 from reshard.transport.progress import Progress, wants_progress
+from reshard.transport.shm import Exporter
 
 if TYPE_CHECKING:
     import torch
@@ -165,6 +166,7 @@ class RefitSession:
         """Plans this session computed (the others came from its cache)."""
         self.broadcast_groups: dict[int, object] = {}
         """The baseline's broadcast groups (one per root), as long as the refit group lives."""
+        self._exporter: Exporter | None = None
 
     @property
     def is_source(self) -> bool:
@@ -427,6 +429,7 @@ class RefitSession:
         group = self._enter(refit)
         agree_s = time.perf_counter() - t0
         local = self._local_problems(destinations)
+        exports = self._exports(group)
         # a/b. plan and agree; shrink rounds until every rank's staging fits its budget.
         for attempt in range(_PLAN_ATTEMPTS):
             step = "plan" if attempt == 0 else f"plan.{attempt}"
@@ -452,6 +455,7 @@ class RefitSession:
                 staging_need=need,
                 sends=links[0],
                 recvs=links[1],
+                exports=exports,
             )
             ta = time.perf_counter()
             statuses = group.agree(step, refit, status)
@@ -471,6 +475,9 @@ class RefitSession:
                 raise RefitError("plan", dict.fromkeys(over, text), version=refit, agreed=True)
             self._replan(shrunk)
         _check_links(statuses, refit)
+        exported = {s.rank: {e.local: e for e in s.exports} for s in statuses if s.exports}
+        if not self.is_source:
+            group.retain_exports({r: es.values() for r, es in exported.items() if group.shares_memory(r)})
         plan_s = time.perf_counter() - t0 - agree_s
         plan = self._planned()[0]
         # c. execute.
@@ -493,6 +500,7 @@ class RefitSession:
                 after_round=after_round,
                 refit=refit,
                 checksums=self.config.checksums,
+                exports=exported,
             )
             ex_stats = ex.run()
         except RefitError as e:
@@ -529,6 +537,21 @@ class RefitSession:
             started_at=started_at,
             finished_at=time.time(),
         )
+
+    def _exports(self, group: RefitGroup) -> tuple[wire.Export, ...]:
+        """A source rank's tensors in shared memory, for the colocated
+        receivers to read (``GroupConfig.export_sources``; empty otherwise)."""
+        if not (self.config.export_sources and self.is_source):
+            return ()
+        if not any(group.shares_memory(r) for r in range(self.config.num_sources, self.config.world_size)):
+            return ()
+        if self._exporter is None:
+            self._exporter = Exporter()
+        before = self._exporter.refused
+        out = self._exporter.exports(self.tensors)
+        if self._exporter.refused and self._exporter.refused != before:
+            log.warning("rank %d: source tensors not exported to shared memory: %s", self.rank, self._exporter.refused)
+        return out
 
     def cancel(self, reason: str | None) -> None:
         """Make the refit in progress (or the next one) fail at once on this

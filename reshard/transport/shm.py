@@ -21,6 +21,19 @@ died (same host: its pid) within a fraction of a second, so a dead reader
 never wedges a sender. The header words are 8-byte aligned stores and
 loads ordered by the x86-64 memory model (and by the copies around them).
 
+One copy instead of two (``GroupConfig.export_sources``): a sender moves
+each CPU source tensor's storage into shared memory once, in place (every
+view of it, an FSDP flat buffer's included, sees the same bytes, as
+``Tensor.share_memory_()`` does), and publishes each tensor's file
+descriptor and view with its plan (:class:`~reshard.transport.wire.Export`).
+A colocated receiver maps the storage read-only through
+``/proc/<pid>/fd/<fd>`` once (kept across refits) and copies the slices it
+keeps straight out of it; those transfers never enter a channel. The
+sender is inside its push for the whole refit, so the bytes hold refit
+``n`` while receivers read them, and it returns only when every receiver
+reported done. The descriptors belong to the sender (unlinked from the
+start): nothing is left in ``/dev/shm`` when it exits or is killed.
+
 Lifetime: the sender creates the file (under a temporary name, renamed when
 its header is ready), the reader maps it and removes the name at once; the
 mappings live on until both close. Nothing stays in ``/dev/shm`` once the
@@ -36,15 +49,19 @@ import contextlib
 import hashlib
 import mmap
 import os
+import resource
 import socket
 import time
-from collections.abc import Callable, Sequence
+import warnings
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["SHM_DIR", "Channel", "host_id"]
+    from reshard.transport.wire import Export
+
+__all__ = ["SHM_DIR", "Channel", "ExportMaps", "Exporter", "host_id"]
 
 SHM_DIR = "/dev/shm"
 _HEADER = 4096
@@ -54,6 +71,10 @@ _R = 4
 _B = 6
 CHUNK_BYTES = 4 << 20
 """A reader copies out what is written in pieces of this size."""
+SHM_HEADROOM = 256 << 20
+"""Free space ``/dev/shm`` must keep after a sender exports its tensors
+(a full tmpfs would kill a writer with SIGBUS, so a sender that does not
+fit exports nothing and its bytes take the channels)."""
 
 
 def host_id() -> str:
@@ -213,3 +234,130 @@ def _wait(ready: Callable[[], bool], watch: Callable[[], None], deadline: float)
             watch()
             if now >= deadline:
                 raise TimeoutError("the shared-memory peer did not move within the timeout")
+
+
+class Exporter:
+    """A sender's CPU source tensors in shared memory (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self._inodes: dict[tuple[int, int, int], int] = {}
+        self.refused = ""
+        """Why the last call exported less than it was given (empty: it did not)."""
+
+    def exports(self, tensors: Mapping[str, torch.Tensor]) -> tuple[Export, ...]:
+        """Move the storages of ``tensors`` that are not yet shared into shared
+        memory (once) and describe each tensor's view of its storage."""
+        from reshard.transport.wire import Export
+
+        self.refused = ""
+        cpu = {n: t for n, t in tensors.items() if t.device.type == "cpu" and t.layout == _strided()}
+        if len(cpu) < len(tensors):
+            self.refused = f"{len(tensors) - len(cpu)} tensors are not strided CPU tensors"
+        seen: set[int] = set()
+        need = 0
+        for t in cpu.values():
+            st = t.untyped_storage()
+            if not st.is_shared() and st.data_ptr() not in seen:
+                seen.add(st.data_ptr())
+                need += st.nbytes()
+        if need:
+            vfs = os.statvfs(SHM_DIR)
+            free = vfs.f_bavail * vfs.f_frsize
+            if free < need + SHM_HEADROOM:
+                self.refused = (
+                    f"{SHM_DIR} has {free >> 20} MiB free; exporting needs {need >> 20} MiB "
+                    f"and keeps {SHM_HEADROOM >> 20} MiB"
+                )
+                return ()
+            _raise_fd_limit(len(seen))
+        out = []
+        for name, t in sorted(cpu.items()):
+            st = t.untyped_storage()
+            try:
+                fd, size = st._share_fd_cpu_()
+            except (RuntimeError, OSError) as e:
+                self.refused = f"tensor {name!r}: {e}"
+                continue
+            key = (st.data_ptr(), size, fd)
+            inode = self._inodes.get(key)
+            if inode is None:
+                inode = self._inodes[key] = os.fstat(fd).st_ino
+            out.append(
+                Export(
+                    local=name,
+                    fd=fd,
+                    inode=inode,
+                    storage_bytes=size,
+                    dtype=str(t.dtype).removeprefix("torch."),
+                    shape=tuple(t.shape),
+                    stride=tuple(t.stride()),
+                    offset=int(t.storage_offset()),
+                )
+            )
+        return tuple(out)
+
+
+class ExportMaps:
+    """A receiver's read-only mappings of colocated senders' exported
+    storages, each mapped once and kept while later refits use it."""
+
+    def __init__(self) -> None:
+        self._maps: dict[tuple[int, int, int], tuple[mmap.mmap, torch.Tensor]] = {}
+
+    def tensor(self, pid: int, e: Export) -> torch.Tensor:
+        """The sender's tensor ``e`` (process ``pid``), viewed in this process."""
+        import torch
+
+        key = (pid, e.fd, e.inode)
+        got = self._maps.get(key)
+        if got is None:
+            path = f"/proc/{pid}/fd/{e.fd}"
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                st = os.fstat(fd)
+                if st.st_ino != e.inode or st.st_size < e.storage_bytes:
+                    raise RuntimeError(
+                        f"{path} is not the storage of tensor {e.local!r} the sender exported "
+                        f"(inode {st.st_ino}, {st.st_size} bytes; expected inode {e.inode}, {e.storage_bytes} bytes)"
+                    )
+                mm = mmap.mmap(fd, e.storage_bytes, mmap.MAP_SHARED, mmap.PROT_READ)
+            finally:
+                os.close(fd)
+            with warnings.catch_warnings():
+                # Read-only on purpose: a receiver never writes a trainer's memory.
+                warnings.simplefilter("ignore", UserWarning)
+                buf = torch.frombuffer(mm, dtype=torch.uint8)
+            got = self._maps[key] = (mm, buf)
+        dtype = getattr(torch, e.dtype)
+        return got[1].view(dtype).as_strided(e.shape, e.stride, e.offset)
+
+    def retain(self, keys: set[tuple[int, int, int]]) -> None:
+        """Unmap every storage not in ``keys`` (``(pid, fd, inode)``)."""
+        for key in [k for k in self._maps if k not in keys]:
+            _close_map(*self._maps.pop(key))
+
+    def close(self) -> None:
+        self.retain(set())
+
+
+def _close_map(mm: mmap.mmap, buf: torch.Tensor) -> None:
+    del buf
+    with contextlib.suppress(BufferError):
+        mm.close()
+
+
+def _strided():
+    import torch
+
+    return torch.strided
+
+
+def _raise_fd_limit(more: int) -> None:
+    """Each exported storage keeps a descriptor open: raise the soft limit
+    towards the hard one when ``more`` of them would come close to it."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = len(os.listdir("/proc/self/fd")) + more + 256
+    if soft != resource.RLIM_INFINITY and want > soft:
+        new = want if hard == resource.RLIM_INFINITY else min(want, hard)
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (new, hard))

@@ -20,6 +20,7 @@ from reshard.plan.layout import DTYPE_SIZES, LAYOUT_VERSION, Grid, Layout, Local
 __all__ = [
     "MAX_MESSAGE_BYTES",
     "WIRE_VERSION",
+    "Export",
     "Hello",
     "RankLayout",
     "Status",
@@ -89,6 +90,24 @@ class Table(msgspec.Struct, frozen=True, kw_only=True, tag="table"):
     version: int = WIRE_VERSION
 
 
+class Export(msgspec.Struct, frozen=True, kw_only=True):
+    """A source tensor whose storage lives in shared memory, as a colocated
+    receiver maps it (``GroupConfig.export_sources``): the sender's file
+    descriptor of the storage (opened through ``/proc/<pid>/fd``), its inode
+    (so a reused descriptor number is never mistaken for the old storage)
+    and size, and the tensor's view of it."""
+
+    local: str
+    fd: int
+    inode: int
+    storage_bytes: int
+    dtype: str
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    offset: int
+    """Storage offset, in elements."""
+
+
 class Status(msgspec.Struct, frozen=True, kw_only=True, tag="status"):
     """One rank's outcome of one step of one refit."""
 
@@ -112,6 +131,9 @@ class Status(msgspec.Struct, frozen=True, kw_only=True, tag="status"):
     """Step ``enter``: the digest of the layout this rank refits with
     (:func:`~reshard.plan.layout.layout_digest`); one that differs from the
     layout the others last read makes every rank read the layouts again."""
+    exports: tuple[Export, ...] = ()
+    """Step ``plan``, a source rank with ``GroupConfig.export_sources``: its
+    source tensors in shared memory, which colocated receivers read directly."""
 
 
 Message = Hello | RankLayout | Table | Status
