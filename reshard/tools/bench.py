@@ -17,8 +17,10 @@ Cases: ``default`` (trainer fsdp=2, one engine tp=2), ``replicas``
 (trainer fsdp=2, two engine replicas tp=2 in one NVLink-like domain, so one
 leader pulls each slice across and forwards it to the other replica) and
 ``colocated`` (the default layouts, every rank on this host: reshard over
-shared memory, ``reshard_shm``, against reshard over gloo loopback and
-gather-and-broadcast, and a plain in-process memory copy of the same bytes).
+shared memory through channels, ``reshard_shm``, and with the trainers'
+tensors exported so receivers read them directly, ``reshard_export``,
+against reshard over gloo loopback and gather-and-broadcast, and a plain
+in-process memory copy of the same bytes).
 """
 
 from __future__ import annotations
@@ -56,7 +58,9 @@ class BenchCase:
 
     @property
     def methods(self) -> tuple[str, ...]:
-        return ("reshard_shm", "reshard", "gather_broadcast") if self.colocated else ("reshard", "gather_broadcast")
+        if self.colocated:
+            return ("reshard_export", "reshard_shm", "reshard", "gather_broadcast")
+        return ("reshard", "gather_broadcast")
 
     @property
     def config(self) -> dict[str, Any]:
@@ -133,9 +137,10 @@ def _run_rank(rank: int, case: BenchCase, address: str, reps: int, warmup: int) 
     )
     # Over shared memory: another group (its own job) whose ranks say so.
     shm_cfg = replace(cfg, job="bench-shm", shared_memory=True)
+    export_cfg = replace(cfg, job="bench-export", shared_memory=True, export_sources=rank < t)
     methods = list(case.methods)
     schedule = [m for _ in range(warmup + reps) for m in methods]
-    method_of = {"reshard_shm": "reshard"}
+    method_of = {"reshard_shm": "reshard", "reshard_export": "reshard"}
     out: dict[str, Any] = {"rank": rank, "runs": []}
     if rank < t:
         mesh = Mesh(shape=(t,))
@@ -147,16 +152,18 @@ def _run_rank(rank: int, case: BenchCase, address: str, reps: int, warmup: int) 
             lo, hi = chunk_range(m.shape[0], t, rank)
             tensors[m.name] = _global(m)[lo:hi].clone()
         sender = Sender.from_pieces([], tensors, config=cfg, rank=rank, grids=grids)
-        shm = Sender.from_pieces([], tensors, config=shm_cfg, rank=rank, grids=grids) if case.colocated else None
+        extra = {}
+        if case.colocated:
+            extra["reshard_shm"] = Sender.from_pieces([], tensors, config=shm_cfg, rank=rank, grids=grids)
+            extra["reshard_export"] = Sender.from_pieces([], tensors, config=export_cfg, rank=rank, grids=grids)
         for i, method in enumerate(schedule):
-            ep = shm if method == "reshard_shm" else sender
-            assert ep is not None
+            ep = extra.get(method, sender)
             st = ep.push(i + 1, method=method_of.get(method, method))
             out["runs"].append({"method": method, **st.as_dict()})
         out["raw"] = _raw_p2p(sender.session, rank, t, _volume(case, metas))
         sender.close()
-        if shm is not None:
-            shm.close()
+        for ep in extra.values():
+            ep.close()
         return out
     side = engine_layouts(metas, case.config, EngineSpec(tp=case.engine_tp, dp=case.engine_dp), base=t)
     layout = side.layout_of(rank)
@@ -176,13 +183,15 @@ def _run_rank(rank: int, case: BenchCase, address: str, reps: int, warmup: int) 
     for _, s in slots:
         local.setdefault(s.local, torch.zeros(s.local_shape, dtype=torch.bfloat16))
     endpoint = Receiver(local, config=cfg, rank=rank, layout=layout)
-    shm_end = Receiver(local, config=shm_cfg, rank=rank, layout=layout) if case.colocated else None
+    ends = {}
+    if case.colocated:
+        ends["reshard_shm"] = Receiver(local, config=shm_cfg, rank=rank, layout=layout)
+        ends["reshard_export"] = Receiver(local, config=export_cfg, rank=rank, layout=layout)
     correct = {m: True for m in methods}
     for i, method in enumerate(schedule):
         for v in local.values():
             v.zero_()
-        dest = shm_end if method == "reshard_shm" else endpoint
-        assert dest is not None
+        dest = ends.get(method, endpoint)
         st = dest.pull(i + 1, method=method_of.get(method, method))
         out["runs"].append({"method": method, **st.as_dict()})
         if i >= len(schedule) - len(methods):  # check the last run of each method
@@ -190,8 +199,8 @@ def _run_rank(rank: int, case: BenchCase, address: str, reps: int, warmup: int) 
     out["correct"] = correct
     out["raw"] = _raw_p2p(endpoint.session, rank, t, _volume(case, metas))
     endpoint.close()
-    if shm_end is not None:
-        shm_end.close()
+    for dest in ends.values():
+        dest.close()
     return out
 
 
@@ -334,13 +343,17 @@ def _summarize(case: BenchCase, results: dict[int, dict], reps: int, warmup: int
     extra: dict[str, Any] = {}
     if "reshard_shm" in methods:
         sm = methods["reshard_shm"]
-        sm["throughput_gbps"] = volume * 8 / sm["seconds_median"] / 1e9
+        ex = methods["reshard_export"]
+        for m in (sm, ex):
+            m["throughput_gbps"] = volume * 8 / m["seconds_median"] / 1e9
         copy_s = _memcpy_seconds(volume)
         extra = {
             "memcpy_seconds": copy_s,
             "memcpy_gbps": volume * 8 / copy_s / 1e9,
             "shm_vs_gloo": r["seconds_median"] / sm["seconds_median"],
             "shm_vs_memcpy": copy_s / sm["seconds_median"],
+            "export_vs_gloo": r["seconds_median"] / ex["seconds_median"],
+            "export_vs_memcpy": copy_s / ex["seconds_median"],
         }
     return {
         "case": case.name,
@@ -409,7 +422,8 @@ def format_result(res: dict[str, Any]) -> str:
         lines.append(
             f"memory copy in one process, same volume: {res['memcpy_gbps']:.2f} Gb/s ({res['memcpy_seconds']:.3f} s); "
             f"reshard over shared memory {res['shm_vs_gloo']:.2f}x reshard over gloo, "
-            f"{res['shm_vs_memcpy']:.2f}x the memory copy's throughput"
+            f"{res['shm_vs_memcpy']:.2f}x the memory copy's throughput; with the trainers' tensors exported "
+            f"{res['export_vs_gloo']:.2f}x and {res['export_vs_memcpy']:.2f}x"
         )
     return "\n".join(lines)
 

@@ -60,6 +60,10 @@ __all__ = ["ABORT_GRACE_S", "GroupConfig", "RefitGroup", "serve_store"]
 log = logging.getLogger(__name__)
 
 _POLL_MAX_S = 0.02
+_POLL_FAST_S = 1.0
+"""For this long a wait polls the store at least every
+:func:`_fast_poll` seconds (agreements are usually that quick), then
+backs off to :data:`_POLL_MAX_S`."""
 _WATCH_S = 0.1
 """How often a wait also checks the abort key and the epoch."""
 ABORT_GRACE_S = 10.0
@@ -618,8 +622,10 @@ class RefitGroup:
         rebuilt the group. A store that fails raises :class:`RefitError`.
         """
         store = self.store
-        pause = 0.001
-        next_watch = time.monotonic() + _WATCH_S
+        pause = 0.0002
+        started = time.monotonic()
+        fast = _fast_poll(self.world_size)
+        next_watch = started + _WATCH_S
         aborted = False
         try:
             while True:
@@ -643,7 +649,7 @@ class RefitGroup:
                     return [k for k in keys if not store.check([k])]
                 # Polling, not store.wait: a timed-out wait logs a warning each time.
                 time.sleep(pause)
-                pause = min(pause * 2, _POLL_MAX_S)
+                pause = min(pause * 1.5, fast if now - started < _POLL_FAST_S else _POLL_MAX_S)
         except RefitError:
             raise
         except Exception as e:
@@ -764,6 +770,12 @@ class RefitGroup:
             with contextlib.suppress(Exception):
                 pg.abort()
         del pg
+
+
+def _fast_poll(world_size: int) -> float:
+    """The longest pause of a wait's first second: 1 ms in small groups, more
+    in large ones so that the store serves at most ~10k checks a second."""
+    return min(_POLL_MAX_S, max(0.001, world_size * 1e-4))
 
 
 def _claim(ns: Any, rank: int) -> int:
