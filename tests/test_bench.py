@@ -54,3 +54,45 @@ def test_engine_bench_summaries_for_both_engines():
         text = engine_bench.format_result(res)
         assert "reshard at 0.17x raw point-to-point throughput" in text
         assert ("two-phase pauses generation for 25% of its refit" in text) == ("two_phase" in methods)
+
+
+def test_plan_colocate_counts_on_the_same_gpu_link_what_the_executor_moves_through_shared_memory():
+    """``reshard plan --colocate`` and the executor agree on where bytes go:
+    trainer rank i and engine rank i share GPU i (one GPU per host, so each
+    pair is its own domain); on CPU, processes labelled alike per GPU share
+    memory and the rest take gloo. The plan's same-GPU bytes are exactly
+    what the engine ranks receive over shared memory (through channels, and
+    read straight from exported tensors), its NVLink and network bytes
+    exactly what they receive over gloo."""
+    from reshard.costmodel.cluster import Cluster, place
+    from reshard.costmodel.cost import reshard_cost
+    from reshard.costmodel.rules import EngineSpec, TrainerSpec, engine_layouts, trainer_layouts
+    from reshard.plan.planner import Planner
+    from reshard.tools.bench import _tensors
+
+    cluster = Cluster(name="one-gpu-hosts", gpus_per_host=1, hosts_per_domain=1, nic_gbit=100, nvlink_gbyte=100)
+    placement = place(cluster, 2, 2, colocate=True)
+    case = replace(
+        CASES["colocated"],
+        layers=1,
+        vocab=4096,
+        hidden=256,
+        heads=4,
+        kv_heads=2,
+        intermediate=512,
+        domains=tuple(f"d{d}" for d in placement.domain_of),
+        shm_hosts=tuple(f"gpu{g}" for g in placement.gpu_of),
+    )
+    metas = _tensors(case)
+    sources = trainer_layouts(metas, case.config, TrainerSpec.parse("fsdp=2")).layout_set("source")
+    dests = engine_layouts(metas, case.config, EngineSpec(tp=2, dp=1), base=2).layout_set("destination")
+    cost = reshard_cost(Planner(sources, dests, domain_of=placement.domain_of.__getitem__).traffic(), cluster, placement)
+    assert cost.local_bytes > 0 and cost.network_bytes > 0
+
+    res = run_bench(case, reps=1, warmup=0, timeout=300)
+    for method in ("reshard_export", "reshard_shm", "reshard"):
+        assert res["method"][method]["correct"], method
+    assert res["method"]["reshard"]["recv_by_link"] == {"gloo": res["bytes_kept_total"]}
+    for method in ("reshard_export", "reshard_shm"):
+        links = res["method"][method]["recv_by_link"]
+        assert links == {"shm": cost.local_bytes, "gloo": cost.network_bytes + cost.nvlink_bytes}, (method, links)

@@ -66,14 +66,18 @@ def test_every_parameter_equals_vllms_own_reload(run):
 
 def test_each_worker_receives_what_it_keeps_and_trainers_send_it(run):
     r = run["refit"]
-    # Colocated configurations move every byte through shared memory.
-    link = "shm" if (run["kind"], run["tp"]) in SHARED_MEMORY else "gloo"
+    # Colocated configurations move every byte through shared memory; with
+    # the trainers' shards exported, every byte is read straight from them.
+    mode = SHARED_MEMORY.get((run["kind"], run["tp"]), "")
+    link = "shm" if mode else "gloo"
     for stats, init in zip(r["stats"], r["init"], strict=True):
         assert stats["bytes_received"] == stats["kept_bytes"] == init["kept_bytes"]
         assert stats["recv_by_link"] == {link: stats["bytes_received"]}
+        assert stats["direct_bytes"] == (stats["bytes_received"] if mode == "export" else 0)
         assert not stats["casts"]
     assert sum(t["sent"] for t in r["trainers"]) == sum(s["bytes_received"] for s in r["stats"])
     assert all(t["links"] == ({link: t["sent"]} if t["sent"] else {}) for t in r["trainers"])
+    assert all(t["direct"] == (t["sent"] if mode == "export" else 0) for t in r["trainers"])
 
 
 def test_plan_rules_agree_with_the_layout_learned_from_vllm(run):

@@ -17,7 +17,9 @@ One configuration (architecture, TP):
 5. the worker's learned layout, for the plan-rule check;
    For the configurations in ``SHARED_MEMORY``, that refit is colocated:
    trainer ranks and engine workers on this host move every byte through
-   shared memory (``GroupConfig(shared_memory=True)`` on every rank);
+   shared memory (``GroupConfig(shared_memory=True)`` on every rank), through
+   channels or read straight from the trainers' exported FSDP2 shards
+   (``export_sources=True`` on the trainer ranks);
 6. for the configurations in ``TWO_PHASE``: back to v1 by vLLM's reload,
    then a two-phase refit to v2 (staged while the engine could serve, then
    committed), captured the same way: it must land what the in-place refit
@@ -40,8 +42,9 @@ TWO_PHASE = {("qwen2_moe", 2), ("llama", 1)}
 """Configurations refit a second time with a two-phase refit (stage, then
 commit): MoE experts repacked on CPU at TP=2, tied embeddings at TP=1."""
 
-SHARED_MEMORY = {("qwen2", 2), ("qwen3_moe", 1)}
-"""Configurations whose refit is colocated: every byte through shared memory."""
+SHARED_MEMORY = {("qwen2", 2): "channels", ("qwen3_moe", 1): "export"}
+"""Configurations whose refit is colocated: every byte through shared memory
+(channels, or read from the trainers' exported tensors)."""
 
 _state: dict[str, Any] = {}
 """Per pool process: the engine being tested, the trainer's default group."""
@@ -69,7 +72,7 @@ def trainer_push(
     num_destinations: int,
     generation: int,
     refit: int,
-    shared_memory: bool = False,
+    shared_memory: str = "",
 ) -> dict[str, Any]:
     """One FSDP2 trainer rank: ``path`` in bf16, each decoder layer and the
     root ``fully_shard``-ed over ``world`` ranks, pushed as refit ``refit``."""
@@ -84,12 +87,18 @@ def trainer_push(
         timeout_s=120,
         host_store=False,
         generation=generation,
-        shared_memory=shared_memory,
+        shared_memory=bool(shared_memory),
+        export_sources=shared_memory == "export",
     )
     sender = Sender(model, config=cfg)
     try:
         st = sender.push(refit)
-        return {"sent": st.exec.bytes_sent, "casts": st.exec.casts, "links": st.exec.send_by_link}
+        return {
+            "sent": st.exec.bytes_sent,
+            "casts": st.exec.casts,
+            "links": st.exec.send_by_link,
+            "direct": st.exec.direct_bytes,
+        }
     finally:
         sender.close()
 
@@ -199,7 +208,7 @@ class Zoo:
             self.trainers.close()
 
     def _refit(
-        self, path: str, tp: int, refit: int, capture: bool, two_phase: bool = False, shm: bool = False
+        self, path: str, tp: int, refit: int, capture: bool, two_phase: bool = False, shm: str = ""
     ) -> dict[str, Any]:
         from tests import procs
 
@@ -210,7 +219,7 @@ class Zoo:
             "num_destinations": tp,
             "timeout_s": 120,
             "generation": self.generation,
-            "shared_memory": shm,
+            "shared_memory": bool(shm),
         }
         self.host.submit(engine_pull, config, refit, capture, two_phase)
         self.trainers.submit(
@@ -230,7 +239,7 @@ class Zoo:
         try:
             out["fresh_v2"] = self.host.call(engine_start, v2, tp, timeout=600)[0]
             out["before"] = self.host.call(engine_load, v1)[0]
-            out["refit"] = self._refit(v2, tp, 1, capture=True, shm=(kind, tp) in SHARED_MEMORY)
+            out["refit"] = self._refit(v2, tp, 1, capture=True, shm=SHARED_MEMORY.get((kind, tp), ""))
             out["after"] = self.host.call(engine_greedy)[0]
             out["learned"] = self.host.call(engine_learned)[0]
             out["reference"] = self.host.call(engine_reload, v2)[0]

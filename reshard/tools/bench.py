@@ -55,6 +55,12 @@ class BenchCase:
     vocab: int = 32000
     colocated: bool = False
     """Also refit over shared memory (every rank on this host)."""
+    domains: tuple[str, ...] = ()
+    """Per rank, its domain label (default: ``trainer`` or ``engine``)."""
+    shm_hosts: tuple[str, ...] = ()
+    """Per rank, its shared-memory host label (default: this machine, so all
+    ranks share memory): ranks labelled alike stand for a trainer and an
+    engine process on one GPU (as ``reshard plan --colocate`` places them)."""
 
     @property
     def methods(self) -> tuple[str, ...]:
@@ -133,11 +139,13 @@ def _run_rank(rank: int, case: BenchCase, address: str, reps: int, warmup: int) 
         num_destinations=case.engine_tp * case.engine_dp,
         timeout_s=300,
         host_store=False,
-        domain="trainer" if rank < t else "engine",
+        domain=case.domains[rank] if case.domains else ("trainer" if rank < t else "engine"),
     )
     # Over shared memory: another group (its own job) whose ranks say so.
-    shm_cfg = replace(cfg, job="bench-shm", shared_memory=True)
-    export_cfg = replace(cfg, job="bench-export", shared_memory=True, export_sources=rank < t)
+    shm_cfg = replace(
+        cfg, job="bench-shm", shared_memory=True, shm_host=case.shm_hosts[rank] if case.shm_hosts else None
+    )
+    export_cfg = replace(shm_cfg, job="bench-export", export_sources=rank < t)
     methods = list(case.methods)
     schedule = [m for _ in range(warmup + reps) for m in methods]
     method_of = {"reshard_shm": "reshard", "reshard_export": "reshard"}

@@ -292,6 +292,10 @@ class ReshardTrainerInitInfo(TrainerInitInfo):
     shared_memory: bool = False
     """Move bytes through shared memory between trainer ranks and workers on
     one host (colocated, CPU tensors); see ``GroupConfig.shared_memory``."""
+    export_sources: bool = False
+    """With ``shared_memory``: the trainer's CPU tensors move into shared
+    memory once and colocated workers read them directly (one copy); see
+    ``GroupConfig.export_sources``."""
     pause_mode: str = "wait"
     """How a server pauses around a two-phase commit (vLLM's ``/pause``
     modes): ``wait`` lets requests in flight finish on the old weights."""
@@ -356,6 +360,7 @@ class ReshardTrainerEngine(TrainerWeightTransferEngine[ReshardTrainerInitInfo]):
             checksums=init_info.checksums,
             host_store=False,
             shared_memory=init_info.shared_memory,
+            export_sources=init_info.export_sources,
         )
         self.sender = Sender(module, config=cfg, rank=init_info.rank)
         self.refits = 0
