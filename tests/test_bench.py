@@ -86,7 +86,8 @@ def test_plan_colocate_counts_on_the_same_gpu_link_what_the_executor_moves_throu
     metas = _tensors(case)
     sources = trainer_layouts(metas, case.config, TrainerSpec.parse("fsdp=2")).layout_set("source")
     dests = engine_layouts(metas, case.config, EngineSpec(tp=2, dp=1), base=2).layout_set("destination")
-    cost = reshard_cost(Planner(sources, dests, domain_of=placement.domain_of.__getitem__).traffic(), cluster, placement)
+    traffic = Planner(sources, dests, domain_of=placement.domain_of.__getitem__).traffic()
+    cost = reshard_cost(traffic, cluster, placement)
     assert cost.local_bytes > 0 and cost.network_bytes > 0
 
     res = run_bench(case, reps=1, warmup=0, timeout=300)
