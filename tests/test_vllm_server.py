@@ -329,3 +329,34 @@ def test_a_failure_while_staging_leaves_the_serving_weights_untouched(server):
     assert procs.check(done["good"]) == [{"ok": True}]
     assert reply.stats["staged"]
     assert server_greedy(url) == server["tokens"]["v2"]
+
+
+def test_a_sleeping_server_wakes_its_weights_for_the_refit_and_serves_after_it(server):
+    """A colocated engine sleeps while its trainer trains (vLLM's
+    ``/sleep?level=1``): ``VllmEngines(sleeping=True)`` wakes its weights,
+    refits them and wakes the KV cache, which resumes generation. On CPU,
+    vLLM's worker keeps weights and cache resident through a sleep (only the
+    engine's sleep state changes), so this checks the lifecycle and the
+    tokens, not memory."""
+    from reshard.adapters.vllm.driver import VllmEngines
+
+    url = server["url"]
+    store = procs.StoreServer()
+    cfg = GroupConfig(address=store.address, num_sources=1, num_destinations=1, timeout_s=60, host_store=False)
+    engines = VllmEngines([url], sleeping=True)
+    engines.init(cfg)
+    http = engines.engines[0]
+    # Awake: a plain refit to v2.
+    trainer = procs.spawn(plain_trainer, 0, store.address, [server["v2"], server["v1"]], 1, 1, 0)
+    assert not http.is_sleeping()
+    engines.refit(1)
+    on_v2 = server_greedy(url)
+    assert on_v2 != server["tokens"]["v1"]
+    # Asleep during "training", then refit to v1 and woken.
+    http.sleep(1)
+    assert http.is_sleeping()
+    stats = engines.refit(2)
+    assert procs.check([trainer.outcome(120)]) == [{"ok": True}]
+    assert stats[0].ok and stats[0].stats["bytes_received"] == stats[0].stats["kept_bytes"]
+    assert not http.is_sleeping()
+    assert server_greedy(url) == server["tokens"]["v1"]

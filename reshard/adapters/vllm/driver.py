@@ -132,6 +132,27 @@ class HttpEngine:
     def reset_prefix_cache(self) -> None:
         self._post("/reset_prefix_cache")
 
+    def sleep(self, level: int = 1) -> None:
+        """vLLM's ``/sleep`` (dev mode): level 1 offloads the weights and
+        drops the KV cache, level 2 drops both (on a GPU; on CPU vLLM 0.32's
+        worker keeps both and only the engine's state changes)."""
+        self._post(f"/sleep?level={int(level)}")
+
+    def wake_up(self, tags: Sequence[str] | None = None) -> bool:
+        """vLLM's ``/wake_up``; whether the engine is fully awake after it."""
+        query = "&".join(f"tags={t}" for t in tags or ())
+        out = self._post("/wake_up" + (f"?{query}" if query else ""))
+        return (out or {}).get("status") == "awake"
+
+    def is_sleeping(self) -> bool:
+        """vLLM's ``/is_sleeping``: asleep at any level (or paused)."""
+        req = urllib.request.Request(self.url + "/is_sleeping", method="GET")
+        try:
+            with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
+                return bool(json.loads(resp.read()).get("is_sleeping"))
+        except (OSError, ValueError) as e:
+            raise ReshardError(f"vLLM server {self.url}: GET /is_sleeping failed: {e}") from e
+
 
 class VllmEngines:
     """Several vLLM engines (offline ``LLM`` objects, :class:`HttpEngine` or
@@ -156,6 +177,17 @@ class VllmEngines:
     A job token (``GroupConfig.token``) is handed to offline engines; servers
     read ``$RESHARD_TOKEN`` from their own environment instead.
 
+    ``sleeping``: the engines sleep between refits (colocated with the
+    trainer, put to sleep with vLLM's ``sleep(level=1|2)`` while it trains).
+    An engine found asleep is woken in two steps: its weights before the
+    refit (after a level-2 sleep they hold nothing; the refit writes every
+    one), its KV cache once the refit succeeded, which also resumes
+    scheduling. ``wake_kv_cache=False`` leaves the KV cache asleep for the
+    caller to wake; a refit that fails leaves it asleep too. Asleep engines
+    are refit in place (never two-phase: they serve nothing). vLLM cannot
+    tell a sleeping engine from a paused one (``is_sleeping`` covers both),
+    so only set ``sleeping`` for engines that sleep rather than pause.
+
     Without ``atomic``, a refit that fails after some layers took their new
     weights leaves a worker *mixed*; a server with such a worker stays
     paused (it queues requests and generates nothing) until a refit
@@ -171,6 +203,8 @@ class VllmEngines:
         atomic: bool = False,
         two_phase: bool = False,
         stage_budget_bytes: int | None = None,
+        sleeping: bool = False,
+        wake_kv_cache: bool = True,
     ) -> None:
         if pause_mode not in ("wait", "keep", "abort"):
             raise ValueError(f"pause_mode {pause_mode!r}: use 'wait', 'keep' or 'abort'")
@@ -182,6 +216,8 @@ class VllmEngines:
         self.atomic = atomic
         self.two_phase = two_phase
         self.stage_budget_bytes = stage_budget_bytes
+        self.sleeping = sleeping
+        self.wake_kv_cache = wake_kv_cache
         self.mixed: list[Any] = []
         self.workers: list[list[WorkerReply]] = []
         self.config: GroupConfig | None = None
@@ -222,14 +258,17 @@ class VllmEngines:
 
         def one(e: Any) -> list[WorkerReply]:
             server = isinstance(e, HttpEngine)
-            staged = self.two_phase and self._can_stage(e)
             t0 = time.perf_counter()
+            # Asleep: wake the weights only (vLLM keeps scheduling paused
+            # until the KV cache is awake too).
+            kv_asleep = self.sleeping and _is_sleeping(e) and not e.wake_up(["weights"])
+            staged = self.two_phase and self._can_stage(e) and not kv_asleep
             if staged:
                 # The engine keeps serving while its workers receive; a failure
                 # here leaves its weights untouched and raises.
                 stage_workers(e, refit, method=method)
             t_pause = time.perf_counter()
-            if server:
+            if server and not kv_asleep:
                 e.pause(self.pause_mode)
             replies: list[WorkerReply] = []
             try:
@@ -243,6 +282,9 @@ class VllmEngines:
             finally:
                 if any(r.mixed for r in replies):
                     mixed.append(e)
+                elif kv_asleep:
+                    if self.wake_kv_cache and replies and all(r.ok for r in replies):
+                        e.wake_up(["kv_cache"])
                 elif server:
                     # A server whose weights are half old, half new stays paused.
                     e.resume()
@@ -266,6 +308,14 @@ class VllmEngines:
             return [r for replies in fan_out(self.engines, one, name="reshard-pull") for r in replies]
         finally:
             self.mixed = mixed
+
+
+def _is_sleeping(engine: Any) -> bool:
+    """Whether ``engine`` (an offline ``LLM`` or :class:`HttpEngine`) sleeps at any level."""
+    if isinstance(engine, HttpEngine):
+        return engine.is_sleeping()
+    inner = getattr(engine, "llm_engine", None)
+    return bool(inner.is_sleeping()) if inner is not None and hasattr(inner, "is_sleeping") else False
 
 
 def _log_refit(
