@@ -166,7 +166,11 @@ def _layout(draw, table: tuple[TensorMeta, ...], rank: int, side: _Side, *, pack
             locals_.append(LocalTensor(f"T{len(locals_)}", (b.sizes[1], b.sizes[0])))
             pieces.append(Piece(ti, b, len(locals_) - 1, (0, 0), (1, 0)))
         elif mode == "concat" and b.ndim >= 1:
-            mates = [(t2, b2) for t2, b2 in remaining if b2.ndim == b.ndim and b2.sizes[1:] == b.sizes[1:]][:2]
+            mates = [
+                (t2, b2)
+                for t2, b2 in remaining
+                if b2.ndim == b.ndim and b2.sizes[1:] == b.sizes[1:] and table[t2].dtype == table[ti].dtype
+            ][:2]
             for m in mates:
                 remaining.remove(m)
             group = [(ti, b), *mates]
@@ -186,7 +190,8 @@ def _layout(draw, table: tuple[TensorMeta, ...], rank: int, side: _Side, *, pack
                     pieces.append(Piece(t2, sub, li, (row,) + (0,) * (b.ndim - 1)))
                     row += hi - lo
         elif mode == "stack":
-            mates = [(t2, b2) for t2, b2 in remaining if b2.sizes == b.sizes][:2]
+            # One local holds one dtype (a layout with several is refused).
+            mates = [(t2, b2) for t2, b2 in remaining if b2.sizes == b.sizes and table[t2].dtype == table[ti].dtype][:2]
             for m in mates:
                 remaining.remove(m)
             group = [(ti, b), *mates]

@@ -57,9 +57,14 @@ def local_view(t: torch.Tensor, slot: Slot, box) -> torch.Tensor:
 
 
 def make_locals(items, fill_from_global: bool) -> dict[str, torch.Tensor]:
+    # A local's dtype: the one any of its slots names (a cast), else its tensors'.
+    dtypes: dict[str, str] = {}
+    for meta, s in items:
+        if s.dtype or s.local not in dtypes:
+            dtypes[s.local] = s.dtype or dtypes.get(s.local) or meta.dtype
     tensors: dict[str, torch.Tensor] = {}
     for meta, s in items:
-        t = tensors.setdefault(s.local, torch.zeros(s.local_shape, dtype=getattr(torch, meta.dtype)))
+        t = tensors.setdefault(s.local, torch.zeros(s.local_shape, dtype=getattr(torch, dtypes[s.local])))
         if fill_from_global:
             g = global_tensor(meta)[tuple(slice(o, o + n) for o, n in zip(s.box.offsets, s.box.sizes, strict=True))]
             local_view(t, s, s.box).copy_(g)
@@ -109,7 +114,8 @@ def run_problems(rank: int, port: int, encoded: list[bytes], budget: int, shm: b
                 want = global_tensor(meta)[
                     tuple(slice(o, o + n) for o, n in zip(sl.box.offsets, sl.box.sizes, strict=True))
                 ]
-                got = local_view(tensors[sl.local], sl, sl.box)
+                got = local_view(tensors[sl.local], sl, sl.box).contiguous()
+                want = want.to(got.dtype).contiguous()  # a local of another dtype keeps the cast value
                 assert torch.equal(got.reshape(-1).view(torch.uint8), want.reshape(-1).view(torch.uint8)), (
                     f"problem {i} rank {rank}: {meta.name}{sl.box} differs"
                 )

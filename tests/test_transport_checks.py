@@ -242,3 +242,28 @@ def test_a_rank_with_another_role_split_is_refused_at_join():
         assert "3 sources + 1 destinations on rank(s) 3" in r["error"], r["error"]
         assert r["seconds"] < 10
         assert r["untouched"]
+
+
+def test_a_local_holding_tensors_of_two_dtypes_must_name_its_dtype():
+    """A fused local whose tensors differ in dtype is ambiguous unless the
+    layout names its dtype (``build_layout`` always does; a layout built by
+    hand may not): refused by the local checks, at the plan step on every
+    rank, before any byte moves. With its dtype named, it is a cast."""
+    from reshard.plan.checks import check_locals
+    from reshard.plan.layout import Layout, LocalTensor, Piece
+
+    a, b = TensorMeta("a", (2, 4), "float16"), TensorMeta("b", (3, 4), "float32")
+
+    def layout(dtype: str) -> Layout:
+        return Layout(
+            rank=0,
+            tensors=(a, b),
+            locals=(LocalTensor("fused", (5, 4), dtype),),
+            pieces=(Piece(0, Box((0, 0), (2, 4)), 0, (0, 0)), Piece(1, Box((0, 0), (3, 4)), 0, (2, 0))),
+        )
+
+    fused = {"fused": torch.zeros(5, 4)}
+    (problem,) = check_locals(layout(""), fused, role="destination")
+    assert "'fused' holds tensors of dtypes float16 and float32 ('a', 'b')" in problem.message
+    assert "destination rank 0" in problem.message
+    assert check_locals(layout("float32"), fused, role="destination") == []
