@@ -75,20 +75,20 @@ def check_locals(layout: Layout, tensors: Mapping[str, Any], *, role: str) -> li
         if 0 <= p.local < len(layout.locals) and 0 <= p.tensor < len(layout.tensors):
             by_local.setdefault(p.local, []).append(layout.tensors[p.tensor])
     for i, loc in enumerate(layout.locals):
-        metas = _unique(by_local.get(i, ()))
-        kinds = sorted({m.dtype for m in metas})
+        held = _unique(by_local.get(i, ()))
+        kinds = sorted({m.dtype for m in held})
         if not loc.dtype and len(kinds) > 1:
             # Its dtype would be "its tensors' dtype": ambiguous. The planner
             # needs it to decide what lands in place and what is cast.
-            names = ", ".join(repr(m.name) for m in metas[:3]) + (" ..." if len(metas) > 3 else "")
+            names = ", ".join(repr(m.name) for m in held[:3]) + (" ..." if len(held) > 3 else "")
             bad(
                 loc.name,
-                metas[0].name,
+                held[0].name,
                 f"holds tensors of dtypes {' and '.join(kinds)} ({names}) without naming its own dtype "
                 "(LocalTensor.dtype); a local holds one dtype",
             )
             continue
-        check(loc.name, loc.shape, loc.dtype, metas)
+        check(loc.name, loc.shape, loc.dtype, held)
     for g in layout.grids:
         info = GridInfo(g)
         coords = info.coord_of.get(rank, ())
