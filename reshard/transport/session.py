@@ -32,6 +32,7 @@ Shared by :class:`reshard.Sender` (trainer ranks) and
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
 from collections import OrderedDict
@@ -167,6 +168,8 @@ class RefitSession:
         self.broadcast_groups: dict[int, object] = {}
         """The baseline's broadcast groups (one per root), as long as the refit group lives."""
         self._exporter: Exporter | None = None
+        self._exports_published: tuple[int, str] = (-1, "")
+        self._exports_read: dict[int, tuple[str, dict[str, wire.Export]]] = {}
 
     @property
     def is_source(self) -> bool:
@@ -429,7 +432,7 @@ class RefitSession:
         group = self._enter(refit)
         agree_s = time.perf_counter() - t0
         local = self._local_problems(destinations)
-        exports = self._exports(group)
+        exports, exports_digest = self._exports(group)
         # a/b. plan and agree; shrink rounds until every rank's staging fits its budget.
         for attempt in range(_PLAN_ATTEMPTS):
             step = "plan" if attempt == 0 else f"plan.{attempt}"
@@ -455,7 +458,7 @@ class RefitSession:
                 staging_need=need,
                 sends=links[0],
                 recvs=links[1],
-                exports=exports,
+                exports=exports_digest,
             )
             ta = time.perf_counter()
             statuses = group.agree(step, refit, status)
@@ -475,9 +478,6 @@ class RefitSession:
                 raise RefitError("plan", dict.fromkeys(over, text), version=refit, agreed=True)
             self._replan(shrunk)
         _check_links(statuses, refit)
-        exported = {s.rank: {e.local: e for e in s.exports} for s in statuses if s.exports}
-        if not self.is_source:
-            group.retain_exports({r: es.values() for r, es in exported.items() if group.shares_memory(r)})
         plan_s = time.perf_counter() - t0 - agree_s
         plan = self._planned()[0]
         # c. execute.
@@ -489,6 +489,7 @@ class RefitSession:
         try:
             if before_transfer is not None:
                 before_transfer(plan)
+            exported = self._exported(group, statuses, exports)
             ex = Executor(
                 group,
                 plan,
@@ -538,19 +539,50 @@ class RefitSession:
             finished_at=time.time(),
         )
 
-    def _exports(self, group: RefitGroup) -> tuple[wire.Export, ...]:
+    def _exports(self, group: RefitGroup) -> tuple[tuple[wire.Export, ...], str]:
         """A source rank's tensors in shared memory, for the colocated
-        receivers to read (``GroupConfig.export_sources``; empty otherwise)."""
+        receivers to read (``GroupConfig.export_sources``; empty otherwise),
+        and their digest; published under ``exports/<rank>/<digest>`` once
+        per change, so a plan status carries only the digest."""
         if not (self.config.export_sources and self.is_source):
-            return ()
+            return (), ""
         if not any(group.shares_memory(r) for r in range(self.config.num_sources, self.config.world_size)):
-            return ()
+            return (), ""
         if self._exporter is None:
             self._exporter = Exporter()
         before = self._exporter.refused
         out = self._exporter.exports(self.tensors)
         if self._exporter.refused and self._exporter.refused != before:
             log.warning("rank %d: source tensors not exported to shared memory: %s", self.rank, self._exporter.refused)
+        if not out:
+            return (), ""
+        msg = wire.Exports(rank=self.rank, exports=out)
+        digest = hashlib.blake2b(wire.encode(msg), digest_size=12).hexdigest()
+        key = f"exports/{self.rank}/{digest}"
+        if (group.epoch, key) != self._exports_published:
+            group.put(key, msg, step="plan")
+            self._exports_published = (group.epoch, key)
+        return out, digest
+
+    def _exported(
+        self, group: RefitGroup, statuses: list[wire.Status], mine: tuple[wire.Export, ...]
+    ) -> dict[int, dict[str, wire.Export]]:
+        """Per source rank, the exports this rank's executor needs: a source
+        its own; a destination those of the sources it shares memory with
+        (read from the store when their digest is new to it)."""
+        if self.is_source:
+            return {self.rank: {e.local: e for e in mine}} if mine else {}
+        wanted = {s.rank: s.exports for s in statuses if s.exports and group.shares_memory(s.rank)}
+        missing = [(r, d) for r, d in wanted.items() if self._exports_read.get(r, ("", None))[0] != d]
+        if missing:
+            got = group.get_many([f"exports/{r}/{d}" for r, d in missing], wire.Exports, step="transfer")
+            for (r, d), msg in zip(missing, got, strict=True):
+                assert isinstance(msg, wire.Exports)
+                if msg.rank != r:
+                    raise RefitError("transfer", {self.rank: f"exports/{r}/{d} holds rank {msg.rank}'s exports"})
+                self._exports_read[r] = (d, {e.local: e for e in msg.exports})
+        out = {r: self._exports_read[r][1] for r in wanted}
+        group.retain_exports({r: es.values() for r, es in out.items()})
         return out
 
     def cancel(self, reason: str | None) -> None:

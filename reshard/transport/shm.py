@@ -25,7 +25,8 @@ One copy instead of two (``GroupConfig.export_sources``): a sender moves
 each CPU source tensor's storage into shared memory once, in place (every
 view of it, an FSDP flat buffer's included, sees the same bytes, as
 ``Tensor.share_memory_()`` does), and publishes each tensor's file
-descriptor and view with its plan (:class:`~reshard.transport.wire.Export`).
+descriptor and view (:class:`~reshard.transport.wire.Export`) in the store
+once per change; its plan status carries only their digest.
 A colocated receiver maps the storage read-only through
 ``/proc/<pid>/fd/<fd>`` once (kept across refits) and copies the slices it
 keeps straight out of it; those transfers never enter a channel. The

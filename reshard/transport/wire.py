@@ -21,6 +21,7 @@ __all__ = [
     "MAX_MESSAGE_BYTES",
     "WIRE_VERSION",
     "Export",
+    "Exports",
     "Hello",
     "RankLayout",
     "Status",
@@ -108,6 +109,15 @@ class Export(msgspec.Struct, frozen=True, kw_only=True):
     """Storage offset, in elements."""
 
 
+class Exports(msgspec.Struct, frozen=True, kw_only=True, tag="exports"):
+    """A source rank's exported tensors, published once per change under
+    ``exports/<rank>/<digest>`` (the digest travels in its plan status)."""
+
+    rank: int
+    exports: tuple[Export, ...] = ()
+    version: int = WIRE_VERSION
+
+
 class Status(msgspec.Struct, frozen=True, kw_only=True, tag="status"):
     """One rank's outcome of one step of one refit."""
 
@@ -131,12 +141,13 @@ class Status(msgspec.Struct, frozen=True, kw_only=True, tag="status"):
     """Step ``enter``: the digest of the layout this rank refits with
     (:func:`~reshard.plan.layout.layout_digest`); one that differs from the
     layout the others last read makes every rank read the layouts again."""
-    exports: tuple[Export, ...] = ()
-    """Step ``plan``, a source rank with ``GroupConfig.export_sources``: its
-    source tensors in shared memory, which colocated receivers read directly."""
+    exports: str = ""
+    """Step ``plan``, a source rank with ``GroupConfig.export_sources``: the
+    digest of its source tensors in shared memory (:class:`Exports`), which
+    colocated receivers read directly; empty: none."""
 
 
-Message = Hello | RankLayout | Table | Status
+Message = Hello | RankLayout | Table | Status | Exports
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)
