@@ -217,3 +217,53 @@ def test_channels_follow_the_plan_when_its_rounds_grow_and_shrink_back():
     server = procs.StoreServer()
     out = procs.check(procs.run(_sizes_change_back, 4, server.address, reuse=True, timeout=120))
     assert out[2:] == [[True, True, True]] * 2, out
+
+
+def _flat_buffer(rank: int, address: str) -> dict:
+    """One trainer rank whose two tensors are views into one flat buffer (as
+    Megatron's contiguous parameter buffers are), exported; one engine rank
+    keeps both whole. The buffer moves into shared memory once, both views
+    follow it, and the trainer's in-place update reaches the engine."""
+    cfg = GroupConfig(
+        address=address,
+        num_sources=1,
+        num_destinations=1,
+        timeout_s=60,
+        host_store=False,
+        shared_memory=True,
+        export_sources=True,
+    )
+    a, b = TensorMeta("a", (64, 32), "float32"), TensorMeta("b", (16, 8), "float32")
+    pieces = [PieceSpec(a, Box((0, 0), a.shape), "a", a.shape), PieceSpec(b, Box((0, 0), b.shape), "b", b.shape)]
+    if rank == 0:
+        flat = torch.zeros(8 + 64 * 32 + 16 * 8)
+        views = {"a": flat[8 : 8 + 64 * 32].view(64, 32), "b": flat[8 + 64 * 32 :].view(16, 8)}
+        s = Sender.from_pieces(pieces, views, config=cfg, rank=0)
+        out = []
+        for n in (1, 2):
+            flat.copy_(torch.randn(flat.shape, generator=torch.Generator().manual_seed(n)))
+            st = s.push(n)
+            out.append(st.exec.direct_bytes)
+        shared = flat.untyped_storage().is_shared() and views["a"].untyped_storage().data_ptr() == flat.data_ptr()
+        s.close()
+        return {"direct": out, "shared": shared}
+    dst = {"a": torch.zeros(a.shape), "b": torch.zeros(b.shape)}
+    r = Receiver(dst, pieces, config=cfg, rank=1)
+    ok = []
+    for n in (1, 2):
+        st = r.pull(n)
+        flat = torch.randn(8 + 64 * 32 + 16 * 8, generator=torch.Generator().manual_seed(n))
+        ok.append(
+            torch.equal(dst["a"], flat[8 : 8 + 64 * 32].view(64, 32))
+            and torch.equal(dst["b"], flat[8 + 64 * 32 :].view(16, 8))
+            and st.exec.direct_bytes == (64 * 32 + 16 * 8) * 4
+        )
+    r.close()
+    return {"ok": ok}
+
+
+def test_views_of_one_flat_buffer_are_exported_together_and_read_directly():
+    server = procs.StoreServer()
+    trainer, engine = procs.check(procs.run(_flat_buffer, 2, server.address, reuse=True, timeout=120))
+    assert trainer == {"direct": [(64 * 32 + 16 * 8) * 4] * 2, "shared": True}
+    assert engine == {"ok": [True, True]}
