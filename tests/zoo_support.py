@@ -42,7 +42,7 @@ TWO_PHASE = {("qwen2_moe", 2), ("llama", 1)}
 """Configurations refit a second time with a two-phase refit (stage, then
 commit): MoE experts repacked on CPU at TP=2, tied embeddings at TP=1."""
 
-SHARED_MEMORY = {("qwen2", 2): "channels", ("qwen3_moe", 1): "export"}
+SHARED_MEMORY = {("qwen2", 2): "export", ("qwen3_moe", 1): "channels"}
 """Configurations whose refit is colocated: every byte through shared memory
 (channels, or read from the trainers' exported tensors)."""
 
