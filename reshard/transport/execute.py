@@ -387,23 +387,25 @@ class Executor:
     def _without_direct(self, plan: RankPlan) -> RankPlan:
         """``plan`` without the transfers that skip the wire (kept aside per round)."""
         me = plan.rank
-        rounds = []
-        for rnd in plan.rounds:
-            sends: dict[int, list[Transfer]] = {}
-            recvs: dict[int, list[Transfer]] = {}
-            for peer, ts in rnd.sends.items():
+
+        def split(rnd: Round, by_peer: dict[int, list[Transfer]], out: dict, sending: bool) -> dict:
+            kept: dict[int, list[Transfer]] = {}
+            for peer, ts in by_peer.items():
                 for t in ts:
-                    if self._is_direct(me, peer, t):
-                        self._direct_out.setdefault(rnd.index, []).append((peer, t))
+                    if self._is_direct(me, peer, t) if sending else self._is_direct(peer, me, t):
+                        out.setdefault(rnd.index, []).append((peer, t))
                     else:
-                        sends.setdefault(peer, []).append(t)
-            for peer, ts in rnd.recvs.items():
-                for t in ts:
-                    if self._is_direct(peer, me, t):
-                        self._direct_in.setdefault(rnd.index, []).append((peer, t))
-                    else:
-                        recvs.setdefault(peer, []).append(t)
-            rounds.append(replace(rnd, sends=sends, recvs=recvs))
+                        kept.setdefault(peer, []).append(t)
+            return kept
+
+        rounds = [
+            replace(
+                rnd,
+                sends=split(rnd, rnd.sends, self._direct_out, True),
+                recvs=split(rnd, rnd.recvs, self._direct_in, False),
+            )
+            for rnd in plan.rounds
+        ]
         return replace(plan, rounds=rounds)
 
     def _read_direct(self, rnd: Round, stats: ExecStats) -> None:

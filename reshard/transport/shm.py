@@ -248,10 +248,12 @@ class Exporter:
     def exports(self, tensors: Mapping[str, torch.Tensor]) -> tuple[Export, ...]:
         """Move the storages of ``tensors`` that are not yet shared into shared
         memory (once) and describe each tensor's view of its storage."""
+        import torch
+
         from reshard.transport.wire import Export
 
         self.refused = ""
-        cpu = {n: t for n, t in tensors.items() if t.device.type == "cpu" and t.layout == _strided()}
+        cpu = {n: t for n, t in tensors.items() if t.device.type == "cpu" and t.layout == torch.strided}
         if len(cpu) < len(tensors):
             self.refused = f"{len(tensors) - len(cpu)} tensors are not strided CPU tensors"
         seen: set[int] = set()
@@ -342,15 +344,9 @@ class ExportMaps:
 
 
 def _close_map(mm: mmap.mmap, buf: torch.Tensor) -> None:
-    del buf
+    # A view still alive keeps the mapping; it goes with the view.
     with contextlib.suppress(BufferError):
         mm.close()
-
-
-def _strided():
-    import torch
-
-    return torch.strided
 
 
 def _raise_fd_limit(more: int) -> None:
