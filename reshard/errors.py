@@ -22,7 +22,8 @@ class Problem(msgspec.Struct, frozen=True, kw_only=True):
 
     kind: str
     """``unknown-tensor``, ``mismatch``, ``out-of-range``, ``overlap``,
-    ``uncovered``, ``grid``, ``layout``."""
+    ``uncovered``, ``grid``, ``layout``, ``link`` (a transfer no link of
+    the group can carry)."""
     message: str
     tensor: str = ""
     ranks: tuple[int, ...] = ()

@@ -130,6 +130,8 @@ def gather_broadcast(
         planner.check(rank)
     except PlanError as e:
         problems = tuple(e.problems)
+    if group.no_wire:
+        problems += (Problem(kind="link", message=f"gather-and-broadcast needs a process group: {group.no_wire}"),)
     group.agree("plan", refit, wire.Status(rank=rank, step="plan", refit=refit, ok=not problems, problems=problems))
 
     stats = ExecStats(rank=rank)

@@ -68,10 +68,14 @@ __all__ = [
     "Executor",
     "align",
     "checksum",
+    "is_direct",
     "link_summary",
     "local_view",
     "messages",
+    "no_wire_text",
     "staging_need",
+    "wire_transfers",
+    "without_direct",
 ]
 
 BIG_BYTES = 1 << 20
@@ -307,6 +311,90 @@ class ExecStats:
         return {k: getattr(self, k) for k in self.__slots__}
 
 
+def is_direct(group: RefitGroup, src: int, dst: int, t: Transfer, exports: Mapping[int, Mapping[str, Export]]) -> bool:
+    """Does ``t`` (from ``src`` to ``dst``) skip the wire, read by ``dst``
+    straight from ``src``'s exported tensor? Both ranks decide alike: from
+    the hellos and the same exports."""
+    if t.kind == "fwd" or not group.direct_link(src, dst):
+        return False
+    e = exports.get(src, {}).get(t.src.local)
+    return (
+        e is not None
+        and e.shape == tuple(t.src.local_shape)
+        and e.dtype == t.dtype
+        and (not t.src.dtype or t.src.dtype == e.dtype)
+    )
+
+
+def without_direct(
+    group: RefitGroup,
+    plan: RankPlan,
+    exports: Mapping[int, Mapping[str, Export]],
+    direct_in: dict[int, list[tuple[int, Transfer]]] | None = None,
+    direct_out: dict[int, list[tuple[int, Transfer]]] | None = None,
+) -> RankPlan:
+    """``plan`` without the transfers that skip the wire (see :func:`is_direct`);
+    those are kept aside per round in ``direct_in`` and ``direct_out``."""
+    me = plan.rank
+    direct_in = {} if direct_in is None else direct_in
+    direct_out = {} if direct_out is None else direct_out
+
+    def split(rnd: Round, by_peer: dict[int, list[Transfer]], out: dict, sending: bool) -> dict:
+        kept: dict[int, list[Transfer]] = {}
+        for peer, ts in by_peer.items():
+            for t in ts:
+                src, dst = (me, peer) if sending else (peer, me)
+                if is_direct(group, src, dst, t, exports):
+                    out.setdefault(rnd.index, []).append((peer, t))
+                else:
+                    kept.setdefault(peer, []).append(t)
+        return kept
+
+    rounds = [
+        replace(
+            rnd,
+            sends=split(rnd, rnd.sends, direct_out, True),
+            recvs=split(rnd, rnd.recvs, direct_in, False),
+        )
+        for rnd in plan.rounds
+    ]
+    return replace(plan, rounds=rounds)
+
+
+def wire_transfers(plan: RankPlan, *, sends_only: bool = False) -> list[tuple[str, int, Transfer]]:
+    """``("send" | "recv", peer, transfer)`` for every transfer of ``plan``
+    that travels over the process group (shared-memory channels included)."""
+    out: list[tuple[str, int, Transfer]] = []
+    for rnd in plan.rounds:
+        for side, by_peer in (("send", rnd.sends), ("recv", rnd.recvs)):
+            if sends_only and side == "recv":
+                continue
+            for peer, ts in by_peer.items():
+                out.extend((side, peer, t) for t in ts)
+    return out
+
+
+def no_wire_text(group: RefitGroup, wired: list[tuple[str, int, Transfer]]) -> str:
+    """Why a plan that needs the process group cannot run on ``group``, naming
+    its first transfers (``wired``, from :func:`wire_transfers`)."""
+    me = group.rank
+    parts = []
+    for side, peer, t in wired[:3]:
+        src, dst = (me, peer) if side == "send" else (peer, me)
+        why = (
+            "forwarded"
+            if t.kind == "fwd"
+            else (
+                "not exported by its sender"
+                if group.direct_link(src, dst)
+                else f"rank {dst} cannot map rank {src}'s GPU"
+            )
+        )
+        parts.append(f"{t.tensor!r}{t.box} from rank {src} to rank {dst} ({t.nbytes} bytes; {why})")
+    more = f" and {len(wired) - 3} more" if len(wired) > 3 else ""
+    return f"{'; '.join(parts)}{more} must cross the process group, which this group has not: {group.no_wire}"
+
+
 class Executor:
     """Runs a :class:`RankPlan` on a :class:`RefitGroup`.
 
@@ -339,12 +427,18 @@ class Executor:
         self._stats: ExecStats | None = None
         self.group = group
         self.plan = plan
-        self._exports = {r: es for r, es in (exports or {}).items() if r == plan.rank or group.shares_memory(r)}
+        self._exports = {
+            r: es for r, es in (exports or {}).items() if r == plan.rank or group.direct_link(r, plan.rank)
+        }
         self._direct_in: dict[int, list[tuple[int, Transfer]]] = {}
         self._direct_out: dict[int, list[tuple[int, Transfer]]] = {}
         if self._exports:
             plan = self._without_direct(plan)
         self.plan = plan
+        if group.no_wire:
+            wired = wire_transfers(plan)
+            if wired:
+                raise RefitError("transfer", {plan.rank: no_wire_text(group, wired)}, version=refit)
         self.sources = sources if sources is not None else {}
         self.destinations = destinations if destinations is not None else {}
         self.big_bytes = big_bytes
@@ -371,52 +465,23 @@ class Executor:
                         key = (side, peer)
                         self._shm_slots[key] = max(self._shm_slots.get(key, 0), n)
 
-    def _is_direct(self, src: int, dst: int, t: Transfer) -> bool:
-        """Does ``t`` (from ``src`` to ``dst``, one of them this rank) skip the
-        wire, read by ``dst`` from ``src``'s exported tensor?"""
-        if t.kind == "fwd" or not self.group.shares_memory(dst if src == self.plan.rank else src):
-            return False
-        e = self._exports.get(src, {}).get(t.src.local)
-        return (
-            e is not None
-            and e.shape == tuple(t.src.local_shape)
-            and e.dtype == t.dtype
-            and (not t.src.dtype or t.src.dtype == e.dtype)
-        )
-
     def _without_direct(self, plan: RankPlan) -> RankPlan:
         """``plan`` without the transfers that skip the wire (kept aside per round)."""
-        me = plan.rank
-
-        def split(rnd: Round, by_peer: dict[int, list[Transfer]], out: dict, sending: bool) -> dict:
-            kept: dict[int, list[Transfer]] = {}
-            for peer, ts in by_peer.items():
-                for t in ts:
-                    if self._is_direct(me, peer, t) if sending else self._is_direct(peer, me, t):
-                        out.setdefault(rnd.index, []).append((peer, t))
-                    else:
-                        kept.setdefault(peer, []).append(t)
-            return kept
-
-        rounds = [
-            replace(
-                rnd,
-                sends=split(rnd, rnd.sends, self._direct_out, True),
-                recvs=split(rnd, rnd.recvs, self._direct_in, False),
-            )
-            for rnd in plan.rounds
-        ]
-        return replace(plan, rounds=rounds)
+        return without_direct(self.group, plan, self._exports, self._direct_in, self._direct_out)
 
     def _read_direct(self, rnd: Round, stats: ExecStats) -> None:
         """Copy this round's direct transfers out of the senders' exported
         tensors, and count what receivers read from this rank's."""
+        me = self.plan.rank
         for peer, t in self._direct_out.get(rnd.index, ()):
+            link = self.group.direct_link(me, peer)
             stats.bytes_sent += t.nbytes
             stats.direct_bytes += t.nbytes
             stats.send_by_peer[peer] = stats.send_by_peer.get(peer, 0) + t.nbytes
-            stats.send_by_link["shm"] = stats.send_by_link.get("shm", 0) + t.nbytes
+            stats.send_by_link[link] = stats.send_by_link.get(link, 0) + t.nbytes
+        devices: set = set()
         for peer, t in self._direct_in.get(rnd.index, ()):
+            link = self.group.direct_link(peer, me)
             dst = local_view(self._tensor(t, "dst"), t.dst, t.box)
             try:
                 if not self.group.peer_alive(peer):
@@ -427,17 +492,26 @@ class Executor:
                     "transfer",
                     {
                         self.plan.rank: f"cannot read {t.tensor!r} ({t.src.local!r}) from rank {peer}'s "
-                        f"shared memory: {e}"
+                        f"{'GPU memory (CUDA IPC)' if link == 'ipc' else 'shared memory'}: {e}"
                     },
                     version=self.refit,
                 ) from e
             dst.copy_(local_view(src, t.src, t.box))
+            if dst.is_cuda:
+                devices.update((dst.device, src.device))
             if t.dst.dtype and t.dst.dtype != t.dtype:
                 _count_cast(stats, t)
             stats.bytes_received += t.nbytes
             stats.direct_bytes += t.nbytes
             stats.recv_by_peer[peer] = stats.recv_by_peer.get(peer, 0) + t.nbytes
-            stats.recv_by_link["shm"] = stats.recv_by_link.get("shm", 0) + t.nbytes
+            stats.recv_by_link[link] = stats.recv_by_link.get(link, 0) + t.nbytes
+        if devices:
+            import torch
+
+            # The sender may write its tensors again as soon as this rank
+            # reports the refit done: every copy out of them must have run.
+            for dev in devices:
+                torch.cuda.current_stream(dev).synchronize()
 
     # -- views -------------------------------------------------------------
 
@@ -660,7 +734,10 @@ class Executor:
         group = self.group
         pg = group.pg
         if pg is None:
-            raise RefitError("transfer", {self.plan.rank: "the refit group is closed"}, version=self.refit)
+            why = "the refit group is closed"
+            if group.no_wire:
+                why = f"the refit group has no process group: {group.no_wire}"
+            raise RefitError("transfer", {self.plan.rank: why}, version=self.refit)
         nccl = group.backend == "nccl"
         works = []
         shm_in: dict[int, list[tuple[int, torch.Tensor]]] = {}

@@ -107,7 +107,9 @@ class GroupConfig:
     shared_memory: bool = False
     """Move bytes through shared memory (``/dev/shm``) to and from ranks on
     the same host that say so too, when both hold CPU tensors; other peers
-    keep the process group (:mod:`reshard.transport.shm`)."""
+    keep the process group (:mod:`reshard.transport.shm`). With CUDA
+    tensors: receivers on the same host that see a sender's GPU read its
+    tensors directly by CUDA IPC (:mod:`reshard.transport.ipc`)."""
     shm_host: str | None = None
     """This rank's host label for shared-memory links; ``None``: the machine
     and its ``/dev/shm`` mount (:func:`reshard.transport.shm.host_id`).
@@ -117,7 +119,8 @@ class GroupConfig:
     storage into shared memory once (in place) so that colocated receivers
     copy their slices straight out of it, one copy per byte instead of two
     (:mod:`reshard.transport.shm`). The trainer's tensors stay where they
-    are as Python objects; only their bytes live in ``/dev/shm`` from then on."""
+    are as Python objects; only their bytes live in ``/dev/shm`` from then on.
+    (CUDA tensors need no move: ``shared_memory`` alone exports them.)"""
 
     def __post_init__(self) -> None:
         host, sep, port = self.address.rpartition(":")
@@ -308,6 +311,10 @@ class RefitGroup:
     _tcp_store: Any = None
     _channels: dict[tuple[int, int], Any] = field(default_factory=dict)
     _export_maps: Any = None
+    _cuda_imports: Any = None
+    no_wire: str = ""
+    """Why this group has no process group, so that every byte must move
+    by CUDA IPC (two ranks on one GPU); empty: it has one (or is closed)."""
     _shm_seq: dict[tuple[int, int], tuple[int, int]] = field(default_factory=dict)
 
     # -- joining -------------------------------------------------------------
@@ -343,11 +350,22 @@ class RefitGroup:
         deadline = time.monotonic() + config.timeout_s
         tcp = _connect(config, rank)
         domain = config.domain or os.environ.get("RESHARD_DOMAIN") or socket.gethostname()
-        shm_host = ""
+        shm_host = ipc_host = gpu = ""
+        gpus: tuple[str, ...] = ()
         if config.shared_memory and dev.type == "cpu" and backend == "gloo":
             from reshard.transport.shm import host_id
 
             shm_host = config.shm_host or host_id()
+        if dev.type == "cuda":
+            from reshard.transport.ipc import gpu_uuid, visible_gpus
+
+            if dev.index is None:
+                dev = torch.device("cuda", torch.cuda.current_device())
+            gpu, gpus = gpu_uuid(dev), visible_gpus()
+            if config.shared_memory:
+                from reshard.transport.shm import host_id
+
+                ipc_host = config.shm_host or host_id()
         hello = wire.Hello(
             rank=rank,
             role=role,
@@ -362,6 +380,9 @@ class RefitGroup:
             round_bytes=round_bytes,
             big_bytes=big_bytes,
             shm_host=shm_host,
+            gpu=gpu,
+            gpus=gpus,
+            ipc_host=ipc_host,
         )
         hello_keys = [f"hello/{r}" for r in range(config.world_size)]
         try:
@@ -420,8 +441,30 @@ class RefitGroup:
                 raise RefitError("join", {rank: f"hello/{r} holds the hello of rank {h.rank}"})
             group.hellos[r] = h
         group._check_hellos()
-        group.pg = group._make_pg(dev, timeout)
+        group.no_wire = group._shared_gpus() if backend == "nccl" else ""
+        if group.no_wire:
+            log.info("rank %d: no NCCL process group: %s", rank, group.no_wire)
+        else:
+            group.pg = group._make_pg(dev, timeout)
         return group
+
+    def _shared_gpus(self) -> str:
+        """Ranks whose hellos name the same GPU, said as why no NCCL
+        communicator can span the group (empty: every rank has its own)."""
+        by_gpu: dict[str, list[int]] = {}
+        for r, h in sorted(self.hellos.items()):
+            if h.gpu:
+                by_gpu.setdefault(h.gpu, []).append(r)
+        shared = [(g, rs) for g, rs in by_gpu.items() if len(rs) > 1]
+        if not shared:
+            return ""
+        pairs = "; ".join(f"ranks {span(rs)} on GPU {g} ({self.hellos[rs[0]].host})" for g, rs in shared[:3])
+        more = f" and {len(shared) - 3} more GPUs" if len(shared) > 3 else ""
+        return (
+            f"{pairs}{more} share a GPU, and NCCL refuses two ranks of one communicator on one GPU, so every "
+            "byte must move by CUDA IPC (GroupConfig(shared_memory=True) on every rank, receivers on the "
+            "senders' host)"
+        )
 
     def _check_hellos(self) -> None:
         """Settings every rank must share, compared before any process group
@@ -552,6 +595,20 @@ class RefitGroup:
         mine, theirs = self.hellos.get(self.rank), self.hellos.get(peer)
         return bool(mine and theirs and mine.shm_host and mine.shm_host == theirs.shm_host)
 
+    def direct_link(self, src: int, dst: int) -> str:
+        """How destination ``dst`` reads source ``src``'s exported tensors
+        directly: ``shm`` (CPU tensors in shared memory), ``ipc`` (a GPU it
+        sees, on the same host), or ``""`` (it cannot). Decided from the
+        hellos alone, so both ranks decide alike."""
+        s, d = self.hellos.get(src), self.hellos.get(dst)
+        if s is None or d is None:
+            return ""
+        if s.shm_host and s.shm_host == d.shm_host:
+            return "shm"
+        if s.ipc_host and s.ipc_host == d.ipc_host and s.gpu and s.gpu in d.gpus:
+            return "ipc"
+        return ""
+
     def shm_seq(self, src: int, dst: int, slot_bytes: int) -> int:
         """The next round number of the channel ``src -> dst`` with slots of
         ``slot_bytes`` (counted alike on both sides, in round order; a new
@@ -579,23 +636,34 @@ class RefitGroup:
         return ch
 
     def exported(self, src: int, export: wire.Export) -> torch.Tensor:
-        """Source rank ``src``'s exported tensor, mapped into this process
-        (once; the mapping is kept for later refits, see :meth:`retain_exports`)."""
+        """Source rank ``src``'s exported tensor, mapped (or, on a GPU,
+        opened) in this process once; kept for later refits, see
+        :meth:`retain_exports`."""
+        pid = self.hellos[src].pid
+        if export.cuda is not None:
+            from reshard.transport.ipc import CudaImports
+
+            if self._cuda_imports is None:
+                self._cuda_imports = CudaImports(self.rank)
+            return self._cuda_imports.tensor(pid, export)
         from reshard.transport.shm import ExportMaps
 
         if self._export_maps is None:
             self._export_maps = ExportMaps()
-        return self._export_maps.tensor(self.hellos[src].pid, export)
+        return self._export_maps.tensor(pid, export)
 
     def retain_exports(self, exports: Mapping[int, Iterable[wire.Export]]) -> None:
-        """Unmap exported storages that no source rank publishes any longer."""
+        """Unmap (or release) exported storages that no source rank publishes any longer."""
+        published = [(self.hellos[r].pid, e) for r, es in exports.items() for e in es]
         if self._export_maps is not None:
-            keep = {(self.hellos[r].pid, e.fd, e.inode) for r, es in exports.items() for e in es}
-            self._export_maps.retain(keep)
+            self._export_maps.retain({(pid, e.fd, e.inode) for pid, e in published if e.cuda is None})
+        if self._cuda_imports is not None:
+            key = self._cuda_imports.key
+            self._cuda_imports.retain({key(pid, e) for pid, e in published if e.cuda is not None})
 
     def peer_alive(self, peer: int) -> bool:
-        """False when ``peer`` runs on this host (shared memory) and its process is gone."""
-        if not self.shares_memory(peer):
+        """False when ``peer`` runs on this host (shared memory, CUDA IPC) and its process is gone."""
+        if not (self.shares_memory(peer) or self.direct_link(peer, self.rank) or self.direct_link(self.rank, peer)):
             return True
         try:
             os.kill(self.hellos[peer].pid, 0)
@@ -764,6 +832,8 @@ class RefitGroup:
         self._channels.clear()
         if self._export_maps is not None:
             self._export_maps.close()
+        if self._cuda_imports is not None:
+            self._cuda_imports.close()
         pg = self.pg
         self.pg = None
         if pg is not None and self.backend == "nccl":

@@ -49,8 +49,19 @@ from reshard.plan.planner import Planner
 from reshard.plan.rounds import DEFAULT_ROUND_BYTES
 from reshard.transport import wire
 from reshard.transport.baseline import gather_broadcast
-from reshard.transport.execute import BIG_BYTES, DEFAULT_BUDGET_BYTES, ExecStats, Executor, link_summary, staging_need
+from reshard.transport.execute import (
+    BIG_BYTES,
+    DEFAULT_BUDGET_BYTES,
+    ExecStats,
+    Executor,
+    link_summary,
+    no_wire_text,
+    staging_need,
+    wire_transfers,
+    without_direct,
+)
 from reshard.transport.group import ABORT_GRACE_S, EpochMoved, GroupConfig, RefitGroup
+from reshard.transport.ipc import CudaExporter
 from reshard.transport.progress import Progress, wants_progress
 from reshard.transport.shm import Exporter
 
@@ -167,7 +178,7 @@ class RefitSession:
         """Plans this session computed (the others came from its cache)."""
         self.broadcast_groups: dict[int, object] = {}
         """The baseline's broadcast groups (one per root), as long as the refit group lives."""
-        self._exporter: Exporter | None = None
+        self._exporter: Exporter | CudaExporter | None = None
         self._exports_published: tuple[int, str] = (-1, "")
         self._exports_read: dict[int, tuple[str, dict[str, wire.Export]]] = {}
 
@@ -442,6 +453,8 @@ class RefitSession:
             try:
                 plan, links = self._planned()
                 need = staging_need(plan, self.big_bytes)
+                if group.no_wire:
+                    problems += _no_wire_problems(group, plan, exports)
             except PlanError as e:
                 problems += tuple(e.problems)
             except Exception as e:
@@ -540,20 +553,42 @@ class RefitSession:
         )
 
     def _exports(self, group: RefitGroup) -> tuple[tuple[wire.Export, ...], str]:
-        """A source rank's tensors in shared memory, for the colocated
-        receivers to read (``GroupConfig.export_sources``; empty otherwise),
-        and their digest; published under ``exports/<rank>/<digest>`` once
-        per change, so a plan status carries only the digest."""
-        if not (self.config.export_sources and self.is_source):
+        """A source rank's tensors for the colocated receivers to read
+        directly, and their digest: in shared memory
+        (``GroupConfig.export_sources``), or on a GPU by CUDA IPC
+        (``shared_memory``); empty otherwise. Published under
+        ``exports/<rank>/<digest>`` once per change, so a plan status carries
+        only the digest."""
+        if not (self.config.shared_memory and self.is_source):
             return (), ""
-        if not any(group.shares_memory(r) for r in range(self.config.num_sources, self.config.world_size)):
-            return (), ""
-        if self._exporter is None:
-            self._exporter = Exporter()
-        before = self._exporter.refused
-        out = self._exporter.exports(self.tensors)
+        cuda = group.hellos[self.rank].ipc_host != ""
+        if cuda:
+            readers = self._ipc_readers(group)
+            if not readers:
+                return (), ""
+            import torch
+
+            # Receivers copy once the plan is agreed: whatever the trainer
+            # queued on this GPU (its optimizer step) must have landed.
+            torch.cuda.synchronize(self.device)
+            if not isinstance(self._exporter, CudaExporter):
+                self._exporter = CudaExporter()
+            before = self._exporter.refused
+            out = self._exporter.exports(self.tensors, readers, epoch=group.epoch)
+            where = "for CUDA IPC"
+        else:
+            if not self.config.export_sources:
+                return (), ""
+            destinations = range(self.config.num_sources, self.config.world_size)
+            if not any(group.direct_link(self.rank, r) == "shm" for r in destinations):
+                return (), ""
+            if not isinstance(self._exporter, Exporter):
+                self._exporter = Exporter()
+            before = self._exporter.refused
+            out = self._exporter.exports(self.tensors)
+            where = "to shared memory"
         if self._exporter.refused and self._exporter.refused != before:
-            log.warning("rank %d: source tensors not exported to shared memory: %s", self.rank, self._exporter.refused)
+            log.warning("rank %d: source tensors not exported %s: %s", self.rank, where, self._exporter.refused)
         if not out:
             return (), ""
         msg = wire.Exports(rank=self.rank, exports=out)
@@ -564,6 +599,24 @@ class RefitSession:
             self._exports_published = (group.epoch, key)
         return out, digest
 
+    def _ipc_readers(self, group: RefitGroup) -> dict[str, set[int]]:
+        """Per local tensor of this source rank, the destinations that read
+        some of it by CUDA IPC (from the plan; none when it cannot be planned,
+        and the plan step says why)."""
+        try:
+            plan = self._planned()[0]
+        except Exception:  # the plan step plans again, and says why on every rank
+            return {}
+        readers: dict[str, set[int]] = {}
+        for rnd in plan.rounds:
+            for peer, ts in rnd.sends.items():
+                if group.direct_link(self.rank, peer) != "ipc":
+                    continue
+                for t in ts:
+                    if t.kind != "fwd":
+                        readers.setdefault(t.src.local, set()).add(peer)
+        return readers
+
     def _exported(
         self, group: RefitGroup, statuses: list[wire.Status], mine: tuple[wire.Export, ...]
     ) -> dict[int, dict[str, wire.Export]]:
@@ -572,7 +625,7 @@ class RefitSession:
         (read from the store when their digest is new to it)."""
         if self.is_source:
             return {self.rank: {e.local: e for e in mine}} if mine else {}
-        wanted = {s.rank: s.exports for s in statuses if s.exports and group.shares_memory(s.rank)}
+        wanted = {s.rank: s.exports for s in statuses if s.exports and group.direct_link(s.rank, self.rank)}
         missing = [(r, d) for r, d in wanted.items() if self._exports_read.get(r, ("", None))[0] != d]
         if missing:
             got = group.get_many([f"exports/{r}/{d}" for r, d in missing], wire.Exports, step="transfer")
@@ -675,6 +728,19 @@ class _Planned:
     planner: Planner
     plan: RankPlan | None = None
     links: tuple[dict, dict] = ({}, {})
+
+
+def _no_wire_problems(group: RefitGroup, plan: RankPlan, exports: tuple[wire.Export, ...]) -> tuple[Problem, ...]:
+    """On a group without a process group (ranks share a GPU), what this
+    rank's plan would send over one: every byte must be read directly.
+    Each rank checks its own sends (a source with its exports, a leader its
+    forwards), so the refit is refused at the plan step, before any byte moves."""
+    mine = {group.rank: {e.local: e for e in exports}} if exports else {}
+    wired = wire_transfers(without_direct(group, plan, mine), sends_only=True)
+    if not wired:
+        return ()
+    peers = tuple(sorted({group.rank} | {peer for _, peer, _ in wired}))
+    return (Problem(kind="link", message=no_wire_text(group, wired), tensor=wired[0][2].tensor, ranks=peers),)
 
 
 def _check_links(statuses: list[wire.Status], refit: int) -> None:

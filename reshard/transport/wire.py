@@ -20,9 +20,11 @@ from reshard.plan.layout import DTYPE_SIZES, LAYOUT_VERSION, Grid, Layout, Local
 __all__ = [
     "MAX_MESSAGE_BYTES",
     "WIRE_VERSION",
+    "CudaIpc",
     "Export",
     "Exports",
     "Hello",
+    "IpcRef",
     "RankLayout",
     "Status",
     "Table",
@@ -72,6 +74,14 @@ class Hello(msgspec.Struct, frozen=True, kw_only=True, tag="hello"):
     shm_host: str = ""
     """The host (and ``/dev/shm`` mount) this rank shares memory on; empty:
     no shared-memory links (``GroupConfig.shared_memory``)."""
+    gpu: str = ""
+    """The UUID of this rank's GPU (CUDA tensors; empty otherwise)."""
+    gpus: tuple[str, ...] = ()
+    """The UUIDs of the GPUs this process sees, in its own device order
+    (what it can map by CUDA IPC)."""
+    ipc_host: str = ""
+    """The host this rank maps other processes' GPU memory on (CUDA
+    tensors with ``GroupConfig.shared_memory``); empty: no CUDA IPC links."""
 
 
 class RankLayout(msgspec.Struct, frozen=True, kw_only=True, tag="layout"):
@@ -91,12 +101,40 @@ class Table(msgspec.Struct, frozen=True, kw_only=True, tag="table"):
     version: int = WIRE_VERSION
 
 
+class IpcRef(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
+    """The reference counter a sender keeps for one receiver of a CUDA
+    storage (torch's: the block stays allocated while a receiver maps it)."""
+
+    reader: int
+    """The destination rank this counter is for."""
+    counter: bytes
+    """The counter file's name."""
+    counter_offset: int
+
+
+class CudaIpc(msgspec.Struct, frozen=True, kw_only=True):
+    """Where a CUDA storage lives, as another process on the host opens it:
+    the GPU, the allocation's IPC handle and the storage's place in it."""
+
+    gpu: str
+    """UUID of the GPU that holds the storage."""
+    handle: bytes
+    """The IPC handle of the allocation the storage lies in."""
+    storage_offset: int
+    """Bytes from the allocation's start to the storage's."""
+    event: bytes = b""
+    event_sync: bool = False
+    refs: tuple[IpcRef, ...] = ()
+    """One counter per receiver that may map the storage."""
+
+
 class Export(msgspec.Struct, frozen=True, kw_only=True):
-    """A source tensor whose storage lives in shared memory, as a colocated
-    receiver maps it (``GroupConfig.export_sources``): the sender's file
-    descriptor of the storage (opened through ``/proc/<pid>/fd``), its inode
-    (so a reused descriptor number is never mistaken for the old storage)
-    and size, and the tensor's view of it."""
+    """A source tensor whose storage a colocated receiver maps and reads
+    directly. In shared memory (``GroupConfig.export_sources``): the sender's
+    file descriptor of the storage (opened through ``/proc/<pid>/fd``), its
+    inode (so a reused descriptor number is never mistaken for the old
+    storage) and size, and the tensor's view of it. On a GPU (``cuda`` set;
+    ``fd`` is -1): the storage's CUDA IPC handle instead of a descriptor."""
 
     local: str
     fd: int
@@ -107,6 +145,8 @@ class Export(msgspec.Struct, frozen=True, kw_only=True):
     stride: tuple[int, ...]
     offset: int
     """Storage offset, in elements."""
+    cuda: CudaIpc | None = None
+    """A CUDA storage: how to open it (``fd`` and ``inode`` are unused)."""
 
 
 class Exports(msgspec.Struct, frozen=True, kw_only=True, tag="exports"):
