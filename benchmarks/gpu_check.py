@@ -10,19 +10,30 @@ NCCL calls the transport makes. Run by ``benchmarks/gpu_check.sh``.
 2. NCCL: a one-rank ProcessGroupNCCL built on a TCPStore as the refit group
    builds it (eager connect, coalesced send/recv to itself, abort), with
    data checked. Two ranks on one GPU are not allowed by NCCL, so this is as
-   much of the path as one GPU runs.
+   much of the NCCL path as one GPU runs.
+3. Colocated (CUDA IPC): four real processes on the one GPU, two trainer
+   ranks (FSDP2-style ``Shard(0)``) and two engine workers (vLLM TP=2
+   layout) of ``reshard bench --case colocated``'s model, joined with
+   ``GroupConfig(shared_memory=True)``: no process group (the GPU is
+   shared), every byte read by CUDA IPC from the trainers' tensors. Several
+   refits, the trainers flipping the sign of their tensors in place between
+   them; every kept slice compared bit for bit; time per refit (the copies,
+   and the whole refit with its agreements) against one device-to-device
+   copy of the bytes the engine keeps.
 """
 
 from __future__ import annotations
 
 import datetime
 import socket
+import statistics
 import sys
 import time
 
 
 def _sync(torch):
-    torch.cuda.synchronize()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
 
 
 def _time(torch, fn, reps=5):
@@ -109,25 +120,144 @@ def nccl_path(torch) -> str:
     return "ok" if ok else "DATA MISMATCH"
 
 
+def _colocated_run(rank: int, address: str, refits: int, device: str) -> dict:
+    import torch
+
+    from reshard.costmodel.rules import EngineSpec, engine_layouts
+    from reshard.plan.box import chunk_range
+    from reshard.plan.layout import Mesh
+    from reshard.plan.specs import GridSpec
+    from reshard.receiver import Receiver
+    from reshard.sender import Sender
+    from reshard.tools.bench import CASES, _global, _tensors, destination_slots
+    from reshard.transport.execute import local_view
+    from reshard.transport.group import GroupConfig
+
+    cuda = device == "cuda"
+    if cuda:
+        torch.cuda.set_device(0)
+    else:
+        torch.set_num_threads(1)
+    case = CASES["colocated"]
+    metas = _tensors(case)
+    cfg = GroupConfig(
+        address=address,
+        num_sources=2,
+        num_destinations=2,
+        timeout_s=120,
+        host_store=False,
+        backend="nccl" if cuda else "gloo",
+        shared_memory=True,
+        export_sources=not cuda and rank < 2,
+    )
+    runs = []
+    if rank < 2:
+        grids = [GridSpec(m, Mesh(shape=(2,)), ((0,),) + ((),) * (len(m.shape) - 1)) for m in metas]
+        tensors = {}
+        for m in metas:
+            lo, hi = chunk_range(m.shape[0], 2, rank)
+            tensors[m.name] = _global(m)[lo:hi].to(device)
+        sender = Sender.from_pieces([], tensors, config=cfg, rank=rank, grids=grids)
+        for n in range(1, refits + 1):
+            for v in tensors.values():
+                v.neg_()  # refit n holds (-1)**n times the model
+            st = sender.push(n)
+            runs.append({"total": st.total_seconds, "exec": st.exec.seconds, "links": dict(st.exec.send_by_link)})
+        sender.close()
+        return {"runs": runs}
+    layout = engine_layouts(metas, case.config, EngineSpec(tp=2), base=2).layout_of(rank)
+    slots = destination_slots(layout, rank)
+    local: dict = {}
+    for _, s in slots:
+        local.setdefault(s.local, torch.zeros(s.local_shape, dtype=torch.bfloat16, device=device))
+    receiver = Receiver(local, config=cfg, rank=rank, layout=layout)
+    full = {m.name: _global(m) for m in metas}
+    exact = True
+    for n in range(1, refits + 1):
+        for v in local.values():
+            v.zero_()
+        st = receiver.pull(n)
+        for meta, s in slots:
+            want = full[meta.name][tuple(slice(o, o + k) for o, k in zip(s.box.offsets, s.box.sizes, strict=True))]
+            if n % 2:
+                want = want.neg()
+            got = local_view(local[s.local], s, s.box).cpu()
+            exact = exact and torch.equal(got.view(torch.int16), want.view(torch.int16))
+        runs.append({"total": st.total_seconds, "exec": st.exec.seconds, "links": dict(st.exec.recv_by_link)})
+    group = receiver.session.group
+    no_wire = group.no_wire if group is not None else "(the group was dropped)"
+    receiver.close()
+    kept = sum(s.box.numel * 2 for _, s in slots)
+    return {"runs": runs, "exact": exact, "kept": kept, "no_wire": no_wire}
+
+
+def colocated(torch, refits: int = 6, device: str = "cuda") -> tuple[str, bool]:
+    """Run the colocated case; the printed report and whether it passed.
+    ``device="cpu"`` runs the same script over shared memory (the trainers'
+    tensors exported), to check the script itself where no GPU is."""
+    from reshard.tools.bench import run_ranks
+
+    try:
+        results = run_ranks(_colocated_run, 4, refits, device, timeout=300)
+    except RuntimeError as e:
+        return f"colocated FAILED:\n{e}", False
+    engines = [results[2], results[3]]
+    kept = sum(e["kept"] for e in engines)
+    exact = all(e["exact"] for e in engines)
+    links: dict[str, int] = {}
+    for e in engines:
+        for k, v in e["runs"][-1]["links"].items():
+            links[k] = links.get(k, 0) + v
+    # Per refit after the first (which opens the handles): the slowest engine rank.
+    copy_s = statistics.median(max(e["runs"][i]["exec"] for e in engines) for i in range(1, refits))
+    total_s = statistics.median(max(e["runs"][i]["total"] for e in engines) for i in range(1, refits))
+    first_s = max(e["runs"][0]["total"] for e in engines)
+    a = torch.empty(kept, dtype=torch.uint8, device=device)
+    b = torch.empty_like(a)
+    d2d = _time(torch, lambda: b.copy_(a))
+    link = "ipc" if device == "cuda" else "shm"
+    baseline = "device-to-device" if device == "cuda" else "in-process"
+    where = "4 processes on one GPU, CUDA IPC, no NCCL" if device == "cuda" else "4 CPU processes, shared memory"
+    lines = [
+        f"colocated ({where}): trainer fsdp=2 -> engine tp=2, {kept / 1e9:.3f} GB kept, {refits} refits",
+        f"  bit-exact: {exact}   bytes by link (last refit): {links}",
+        f"  process group: {'none (' + engines[0]['no_wire'][:60] + '...)' if engines[0]['no_wire'] else 'built'}",
+        f"  copies {copy_s * 1e3:.2f} ms ({kept / copy_s / 1e9:.1f} GB/s), whole refit {total_s * 1e3:.2f} ms "
+        f"({kept / total_s / 1e9:.1f} GB/s), first refit (opens handles) {first_s * 1e3:.1f} ms",
+        f"  {baseline} copy of the same bytes: {d2d * 1e3:.2f} ms ({kept / d2d / 1e9:.1f} GB/s); "
+        f"the copies take {copy_s / d2d:.2f}x its time",
+    ]
+    ok = exact and set(links) == {link} and sum(links.values()) == kept
+    return "\n".join(lines), ok
+
+
 def main() -> int:
     try:
         import torch
     except ImportError:
         print("gpu_check: torch is not installed")
         return 2
+    if sys.argv[1:] == ["--cpu-colocated"]:
+        # The colocated case over shared memory: checks this script where no GPU is.
+        report, ok = colocated(torch, device="cpu")
+        print(report)
+        return 0 if ok else 1
     if not torch.cuda.is_available():
         print("gpu_check: no CUDA device")
         return 2
     print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}  nccl {torch.cuda.nccl.version()}")
     print(f"{'side':<26}{'transfers':>10}{'GB':>8}{'pack/unpack ms':>16}{'d2d copy ms':>13}{'ratio':>8}")
-    for side, n, total, tp, tc in pack_unpack(torch):
+    for side, n, total, tp, tc, _contiguous in pack_unpack(torch):
         print(f"{side:<26}{n:>10}{total / 1e9:>8.2f}{tp * 1e3:>16.2f}{tc * 1e3:>13.2f}{tp / tc:>8.2f}")
+    failed = False
     try:
         print(f"NCCL (1 rank: store, eager connect, coalesced send/recv to self, abort): {nccl_path(torch)}")
     except Exception as e:  # reported, not hidden
         print(f"NCCL path FAILED: {type(e).__name__}: {e}")
-        return 1
-    return 0
+        failed = True
+    report, ok = colocated(torch)
+    print(report)
+    return 1 if failed or not ok else 0
 
 
 if __name__ == "__main__":

@@ -38,7 +38,7 @@ import zlib
 from dataclasses import dataclass, replace
 from typing import Any
 
-__all__ = ["BenchCase", "main", "run_bench"]
+__all__ = ["BenchCase", "destination_slots", "main", "run_bench", "run_ranks"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -112,15 +112,55 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, case: BenchCase, address: str, reps: int, warmup: int, q) -> None:
+def _worker(fn, rank: int, address: str, args: tuple, q) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     try:
-        q.put((rank, _run_rank(rank, case, address, reps, warmup), ""))
+        q.put((rank, fn(rank, address, *args), ""))
     except BaseException as e:  # reported to the parent
         q.put((rank, None, f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
 
 
-def _run_rank(rank: int, case: BenchCase, address: str, reps: int, warmup: int) -> dict:
+def run_ranks(fn, world: int, *args: Any, timeout: float) -> dict[int, Any]:
+    """``fn(rank, address, *args)`` in ``world`` spawned processes, joined to a
+    refit store this process hosts at ``address``; their results by rank
+    (``RuntimeError`` with every rank's error when one fails or all go silent)."""
+    import datetime
+
+    from torch.distributed import TCPStore
+
+    port = _free_port()
+    store = TCPStore("127.0.0.1", port, None, True, timeout=datetime.timedelta(seconds=60), wait_for_workers=False)
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    address = f"127.0.0.1:{port}"
+    procs = [ctx.Process(target=_worker, args=(fn, r, address, args, q), daemon=True) for r in range(world)]
+    for p in procs:
+        p.start()
+    results: dict[int, Any] = {}
+    errors: list[str] = []
+    deadline = time.monotonic() + timeout
+    while len(results) + len(errors) < world and time.monotonic() < deadline:
+        try:
+            rank, value, err = q.get(timeout=1)
+        except Exception:
+            if not any(p.is_alive() for p in procs):
+                break
+            continue
+        if err:
+            errors.append(f"rank {rank}: {err}")
+        else:
+            results[rank] = value
+    for p in procs:
+        p.join(timeout=10)
+        if p.is_alive():
+            p.kill()
+    del store
+    if errors or len(results) < world:
+        raise RuntimeError("\n".join(errors or ["processes did not report"]))
+    return results
+
+
+def _run_rank(rank: int, address: str, case: BenchCase, reps: int, warmup: int) -> dict:
     import torch
 
     from reshard.costmodel.rules import EngineSpec, engine_layouts
@@ -175,18 +215,7 @@ def _run_rank(rank: int, case: BenchCase, address: str, reps: int, warmup: int) 
         return out
     side = engine_layouts(metas, case.config, EngineSpec(tp=case.engine_tp, dp=case.engine_dp), base=t)
     layout = side.layout_of(rank)
-    from reshard.plan.index import LayoutSet
-
-    ls = LayoutSet.from_layouts("destination", [layout])
-    slots = []
-    for name, entries in ls.tensor_grids.items():
-        meta = ls.metas[name]
-        for gid, pos in entries:
-            info = ls.grids[gid]
-            for c in info.coord_of.get(rank, ()):
-                s = info.slot(meta, pos, rank, c)
-                if not s.box.is_empty():
-                    slots.append((meta, s))
+    slots = destination_slots(layout, rank)
     local: dict[str, torch.Tensor] = {}
     for _, s in slots:
         local.setdefault(s.local, torch.zeros(s.local_shape, dtype=torch.bfloat16))
@@ -210,6 +239,23 @@ def _run_rank(rank: int, case: BenchCase, address: str, reps: int, warmup: int) 
     for dest in ends.values():
         dest.close()
     return out
+
+
+def destination_slots(layout, rank: int) -> list:
+    """``(meta, slot)`` for every non-empty slice ``rank``'s layout keeps."""
+    from reshard.plan.index import LayoutSet
+
+    ls = LayoutSet.from_layouts("destination", [layout])
+    slots = []
+    for name, entries in ls.tensor_grids.items():
+        meta = ls.metas[name]
+        for gid, pos in entries:
+            info = ls.grids[gid]
+            for c in info.coord_of.get(rank, ()):
+                s = info.slot(meta, pos, rank, c)
+                if not s.box.is_empty():
+                    slots.append((meta, s))
+    return slots
 
 
 def _volume(case: BenchCase, metas) -> int:
@@ -274,41 +320,10 @@ def _raw_p2p(session, rank: int, trainers: int, volume: int) -> dict | None:
 
 
 def run_bench(case: BenchCase, *, reps: int = 5, warmup: int = 1, timeout: float = 1800) -> dict[str, Any]:
-    import datetime
-
-    from torch.distributed import TCPStore
-
-    port = _free_port()
-    store = TCPStore("127.0.0.1", port, None, True, timeout=datetime.timedelta(seconds=60), wait_for_workers=False)
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    procs = [
-        ctx.Process(target=_worker, args=(r, case, f"127.0.0.1:{port}", reps, warmup, q), daemon=True)
-        for r in range(case.world)
-    ]
-    for p in procs:
-        p.start()
-    results: dict[int, dict] = {}
-    errors: list[str] = []
-    deadline = time.monotonic() + timeout
-    while len(results) + len(errors) < case.world and time.monotonic() < deadline:
-        try:
-            rank, value, err = q.get(timeout=1)
-        except Exception:
-            if not any(p.is_alive() for p in procs):
-                break
-            continue
-        if err:
-            errors.append(f"rank {rank}: {err}")
-        else:
-            results[rank] = value
-    for p in procs:
-        p.join(timeout=10)
-        if p.is_alive():
-            p.kill()
-    del store
-    if errors or len(results) < case.world:
-        raise RuntimeError("bench failed:\n" + "\n".join(errors or ["processes did not report"]))
+    try:
+        results = run_ranks(_run_rank, case.world, case, reps, warmup, timeout=timeout)
+    except RuntimeError as e:
+        raise RuntimeError(f"bench failed:\n{e}") from None
     return _summarize(case, results, reps, warmup)
 
 
