@@ -18,10 +18,11 @@ it is called (the block stays allocated while a receiver maps it), so the
 sender calls it once per (storage, receiver, group epoch), only for the
 receivers whose plan reads that storage (a counter nobody releases would
 keep it allocated after the trainer frees it), and reuses the result; no
-handle is made or opened again in later refits. A receiver opens each storage once (``_new_shared_cuda``) and
-releases its counter when it drops the mapping (a storage no longer
-published, or the group closed). Handles are per allocation, and a process
-opens each allocation once however many storages lie in it.
+handle is made or opened again in later refits. A receiver opens each
+storage once (``_new_shared_cuda``) and releases its counter when it drops
+the mapping (a storage no longer published, or the group closed). Handles
+are per allocation, and a process opens each allocation once however many
+storages lie in it.
 
 Consistency is the export path's: the sender synchronizes its device before
 it posts its plan status (so the bytes are refit ``n``'s), stays in its push

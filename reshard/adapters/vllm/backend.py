@@ -290,8 +290,9 @@ class ReshardTrainerInitInfo(TrainerInitInfo):
     """Refit in two phases: workers receive into staging buffers while the
     engine serves, then apply with generation paused only for that."""
     shared_memory: bool = False
-    """Move bytes through shared memory between trainer ranks and workers on
-    one host (colocated, CPU tensors); see ``GroupConfig.shared_memory``."""
+    """Colocated trainer ranks and workers on one host move bytes directly:
+    CPU tensors through shared memory, CUDA tensors by CUDA IPC (workers read
+    the trainer's GPU tensors); see ``GroupConfig.shared_memory``."""
     export_sources: bool = False
     """With ``shared_memory``: the trainer's CPU tensors move into shared
     memory once and colocated workers read them directly (one copy); see
