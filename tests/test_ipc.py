@@ -167,9 +167,10 @@ def test_a_plan_that_needs_the_missing_process_group_is_refused_naming_tensor_an
     skipped = plans[0].transfers()[0].src.local
     mine = _exports(plans[0], "GPU-a", skip=skipped)
     g = _group(0, hellos)
-    (problem,) = _no_wire_problems(g, plans[0], tuple(mine[0].values()))
+    (problem,) = _no_wire_problems(g, plans[0], tuple(mine[0].values()), f"tensor {skipped!r}: expandable segments")
     assert problem.kind == "link" and problem.ranks[0] == 0 and len(problem.ranks) > 1
     assert "not exported by its sender" in problem.message and "NCCL refuses two ranks" in problem.message
+    assert problem.message.endswith(f"rank 0 did not export: tensor {skipped!r}: expandable segments")
     # The receiver's executor refuses too, before posting anything.
     with pytest.raises(RefitError, match="must cross the process group"):
         Executor(_group(2, hellos), plans[2], exports={**mine, **_exports(plans[1], "GPU-a")})

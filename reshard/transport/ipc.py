@@ -209,6 +209,7 @@ class CudaImports:
             ref = next((r for r in c.refs if r.reader == self.rank), None)
             if ref is None:
                 raise RuntimeError(f"tensor {e.local!r} was not registered for rank {self.rank}")
+            torch.cuda._lazy_init()  # as torch's own rebuild does before opening a handle
             st = torch.UntypedStorage._new_shared_cuda(
                 self._device_index(c.gpu),
                 c.handle,

@@ -454,7 +454,8 @@ class RefitSession:
                 plan, links = self._planned()
                 need = staging_need(plan, self.big_bytes)
                 if group.no_wire:
-                    problems += _no_wire_problems(group, plan, exports)
+                    refused = self._exporter.refused if self._exporter is not None else ""
+                    problems += _no_wire_problems(group, plan, exports, refused)
             except PlanError as e:
                 problems += tuple(e.problems)
             except Exception as e:
@@ -730,17 +731,23 @@ class _Planned:
     links: tuple[dict, dict] = ({}, {})
 
 
-def _no_wire_problems(group: RefitGroup, plan: RankPlan, exports: tuple[wire.Export, ...]) -> tuple[Problem, ...]:
+def _no_wire_problems(
+    group: RefitGroup, plan: RankPlan, exports: tuple[wire.Export, ...], refused: str = ""
+) -> tuple[Problem, ...]:
     """On a group without a process group (ranks share a GPU), what this
     rank's plan would send over one: every byte must be read directly.
     Each rank checks its own sends (a source with its exports, a leader its
-    forwards), so the refit is refused at the plan step, before any byte moves."""
+    forwards), so the refit is refused at the plan step, before any byte
+    moves. ``refused``: why this source exported less than its tensors."""
     mine = {group.rank: {e.local: e for e in exports}} if exports else {}
     wired = wire_transfers(without_direct(group, plan, mine), sends_only=True)
     if not wired:
         return ()
     peers = tuple(sorted({group.rank} | {peer for _, peer, _ in wired}))
-    return (Problem(kind="link", message=no_wire_text(group, wired), tensor=wired[0][2].tensor, ranks=peers),)
+    text = no_wire_text(group, wired)
+    if refused:
+        text += f"; rank {group.rank} did not export: {refused}"
+    return (Problem(kind="link", message=text, tensor=wired[0][2].tensor, ranks=peers),)
 
 
 def _check_links(statuses: list[wire.Status], refit: int) -> None:
