@@ -24,11 +24,13 @@ NCCL calls the transport makes. Run by ``benchmarks/gpu_check.sh``.
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import socket
 import statistics
 import sys
 import time
+from dataclasses import replace
 
 
 def _sync(torch):
@@ -120,7 +122,7 @@ def nccl_path(torch) -> str:
     return "ok" if ok else "DATA MISMATCH"
 
 
-def _colocated_run(rank: int, address: str, refits: int, device: str) -> dict:
+def _colocated_run(rank: int, address: str, refits: int, device: str, layers: int | None) -> dict:
     import torch
 
     from reshard.costmodel.rules import EngineSpec, engine_layouts
@@ -139,6 +141,8 @@ def _colocated_run(rank: int, address: str, refits: int, device: str) -> dict:
     else:
         torch.set_num_threads(1)
     case = CASES["colocated"]
+    if layers is not None:
+        case = replace(case, layers=layers)
     metas = _tensors(case)
     cfg = GroupConfig(
         address=address,
@@ -191,14 +195,14 @@ def _colocated_run(rank: int, address: str, refits: int, device: str) -> dict:
     return {"runs": runs, "exact": exact, "kept": kept, "no_wire": no_wire}
 
 
-def colocated(torch, refits: int = 6, device: str = "cuda") -> tuple[str, bool]:
+def colocated(torch, refits: int = 6, device: str = "cuda", layers: int | None = None) -> tuple[str, bool]:
     """Run the colocated case; the printed report and whether it passed.
     ``device="cpu"`` runs the same script over shared memory (the trainers'
     tensors exported), to check the script itself where no GPU is."""
     from reshard.tools.bench import run_ranks
 
     try:
-        results = run_ranks(_colocated_run, 4, refits, device, timeout=300)
+        results = run_ranks(_colocated_run, 4, refits, device, layers, timeout=300)
     except RuntimeError as e:
         return f"colocated FAILED:\n{e}", False
     engines = [results[2], results[3]]
@@ -232,14 +236,21 @@ def colocated(torch, refits: int = 6, device: str = "cuda") -> tuple[str, bool]:
 
 
 def main() -> int:
+    ap = argparse.ArgumentParser(description="One-GPU check of the transport (see the module docstring).")
+    ap.add_argument(
+        "--cpu-colocated",
+        action="store_true",
+        help="run only the colocated case, over shared memory on CPU (checks this script where no GPU is)",
+    )
+    ap.add_argument("--layers", type=int, default=None, help="the colocated case's model layers (default 12)")
+    args = ap.parse_args()
     try:
         import torch
     except ImportError:
         print("gpu_check: torch is not installed")
         return 2
-    if sys.argv[1:] == ["--cpu-colocated"]:
-        # The colocated case over shared memory: checks this script where no GPU is.
-        report, ok = colocated(torch, device="cpu")
+    if args.cpu_colocated:
+        report, ok = colocated(torch, device="cpu", layers=args.layers)
         print(report)
         return 0 if ok else 1
     if not torch.cuda.is_available():
@@ -255,7 +266,7 @@ def main() -> int:
     except Exception as e:  # reported, not hidden
         print(f"NCCL path FAILED: {type(e).__name__}: {e}")
         failed = True
-    report, ok = colocated(torch)
+    report, ok = colocated(torch, layers=args.layers)
     print(report)
     return 1 if failed or not ok else 0
 

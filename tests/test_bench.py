@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from dataclasses import replace
+from pathlib import Path
 
 from reshard.tools.bench import CASES, format_result, run_bench
 
@@ -97,3 +100,18 @@ def test_plan_colocate_counts_on_the_same_gpu_link_what_the_executor_moves_throu
     for method in ("reshard_export", "reshard_shm"):
         links = res["method"][method]["recv_by_link"]
         assert links == {"shm": cost.local_bytes, "gloo": cost.network_bytes + cost.nvlink_bytes}, (method, links)
+
+
+def test_the_gpu_checks_colocated_case_runs_on_cpu_over_shared_memory():
+    """The GPU check runs only where a GPU is lent: its colocated case, over
+    shared memory instead of CUDA IPC, keeps the script itself working."""
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_check.py"
+    out = subprocess.run(
+        [sys.executable, str(script), "--cpu-colocated", "--layers", "1"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "bit-exact: True" in out.stdout and "{'shm': " in out.stdout
