@@ -145,10 +145,15 @@ def test_ranks_on_distinct_gpus_keep_the_process_group():
     assert _group(0, hellos).direct_link(0, 3) == "ipc"  # a peer GPU it sees: IPC beside NCCL
 
 
-def test_colocated_fsdp_to_tp2_moves_every_byte_directly_when_every_source_tensor_is_exported():
+@pytest.mark.parametrize("gpus", [("GPU-a",) * 4, ("GPU-a", "GPU-b", "GPU-a", "GPU-b")], ids=["one-gpu", "two-gpus"])
+def test_colocated_fsdp_to_tp2_moves_every_byte_directly_when_every_source_tensor_is_exported(gpus):
+    """All four ranks on one GPU, or trainer rank i and engine worker i on
+    GPU i of a host whose processes see both GPUs (as torchrun and vLLM's
+    workers do): each worker also needs the other GPU's trainer shard, and
+    reads it from that GPU directly (peer to peer), with no NCCL at all."""
     plans = _plans()
-    hellos = {r: _hello(r, "GPU-a") for r in range(4)}
-    exports = {**_exports(plans[0], "GPU-a"), **_exports(plans[1], "GPU-a")}
+    hellos = {r: _hello(r, gpus[r]) for r in range(4)}
+    exports = {**_exports(plans[0], gpus[0]), **_exports(plans[1], gpus[1])}
     total = sum(t.nbytes for r in (2, 3) for t in plans[r].transfers())
     moved = 0
     for r, plan in plans.items():
