@@ -202,9 +202,9 @@ def colocated(torch, refits: int = 6, device: str = "cuda", layers: int | None =
     from reshard.tools.bench import run_ranks
 
     try:
-        results = run_ranks(_colocated_run, 4, refits, device, layers, timeout=300)
+        results = run_ranks(_colocated_run, 4, refits, device, layers, timeout=300, what="colocated")
     except RuntimeError as e:
-        return f"colocated FAILED:\n{e}", False
+        return str(e), False
     engines = [results[2], results[3]]
     kept = sum(e["kept"] for e in engines)
     exact = all(e["exact"] for e in engines)

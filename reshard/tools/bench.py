@@ -29,11 +29,9 @@ import argparse
 import json
 import math
 import multiprocessing as mp
-import os
 import socket
 import statistics
 import time
-import traceback
 import zlib
 from dataclasses import dataclass, replace
 from typing import Any
@@ -112,52 +110,31 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(fn, rank: int, address: str, args: tuple, q) -> None:
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    try:
-        q.put((rank, fn(rank, address, *args), ""))
-    except BaseException as e:  # reported to the parent
-        q.put((rank, None, f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
-
-
-def run_ranks(fn, world: int, *args: Any, timeout: float) -> dict[int, Any]:
+def run_ranks(fn, world: int, *args: Any, timeout: float, what: str = "bench") -> dict[int, Any]:
     """``fn(rank, address, *args)`` in ``world`` spawned processes, joined to a
     refit store this process hosts at ``address``; their results by rank
-    (``RuntimeError`` with every rank's error when one fails or all go silent)."""
+    (``RuntimeError`` naming ``what`` and every rank's error when one fails
+    or all go silent)."""
     import datetime
 
     from torch.distributed import TCPStore
+
+    from reshard.tools.engine_bench import collect, entry, join_all
 
     port = _free_port()
     store = TCPStore("127.0.0.1", port, None, True, timeout=datetime.timedelta(seconds=60), wait_for_workers=False)
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     address = f"127.0.0.1:{port}"
-    procs = [ctx.Process(target=_worker, args=(fn, r, address, args, q), daemon=True) for r in range(world)]
+    procs = [ctx.Process(target=entry, args=(fn, r, (address, *args), q), daemon=True) for r in range(world)]
     for p in procs:
         p.start()
-    results: dict[int, Any] = {}
-    errors: list[str] = []
-    deadline = time.monotonic() + timeout
-    while len(results) + len(errors) < world and time.monotonic() < deadline:
-        try:
-            rank, value, err = q.get(timeout=1)
-        except Exception:
-            if not any(p.is_alive() for p in procs):
-                break
-            continue
-        if err:
-            errors.append(f"rank {rank}: {err}")
-        else:
-            results[rank] = value
-    for p in procs:
-        p.join(timeout=10)
-        if p.is_alive():
-            p.kill()
-    del store
-    if errors or len(results) < world:
-        raise RuntimeError("\n".join(errors or ["processes did not report"]))
-    return results
+    try:
+        results = collect(q, procs, timeout, what=what)
+    finally:
+        join_all(procs)
+        del store
+    return {rank: value for _name, rank, value in results}
 
 
 def _run_rank(rank: int, address: str, case: BenchCase, reps: int, warmup: int) -> dict:
@@ -320,10 +297,7 @@ def _raw_p2p(session, rank: int, trainers: int, volume: int) -> dict | None:
 
 
 def run_bench(case: BenchCase, *, reps: int = 5, warmup: int = 1, timeout: float = 1800) -> dict[str, Any]:
-    try:
-        results = run_ranks(_run_rank, case.world, case, reps, warmup, timeout=timeout)
-    except RuntimeError as e:
-        raise RuntimeError(f"bench failed:\n{e}") from None
+    results = run_ranks(_run_rank, case.world, case, reps, warmup, timeout=timeout)
     return _summarize(case, results, reps, warmup)
 
 

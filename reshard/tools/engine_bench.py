@@ -311,7 +311,9 @@ def merge_ranks(rows: list[dict[str, Any]], results: list[tuple[str, int, Any]])
             row["seconds"] = max(r["seconds"] for r in row["trainers"] + row["sinks"])
 
 
-def collect(q, procs, timeout: float) -> list[tuple[str, int, Any]]:
+def collect(q, procs, timeout: float, what: str = "engine bench") -> list[tuple[str, int, Any]]:
+    """``(function name, rank, value)`` from every process started on :func:`entry`;
+    ``RuntimeError`` naming ``what`` and every process's error when one fails or all go silent."""
     out: list[tuple[str, int, Any]] = []
     errors: list[str] = []
     deadline = time.monotonic() + timeout
@@ -327,7 +329,7 @@ def collect(q, procs, timeout: float) -> list[tuple[str, int, Any]]:
         else:
             out.append((name, rank, value))
     if errors or len(out) < len(procs):
-        raise RuntimeError("engine bench failed:\n" + "\n".join(errors or ["processes did not report"]))
+        raise RuntimeError(f"{what} failed:\n" + "\n".join(errors or ["processes did not report"]))
     return out
 
 

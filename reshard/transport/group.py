@@ -592,8 +592,7 @@ class RefitGroup:
     def shares_memory(self, peer: int) -> bool:
         """Whether this rank and ``peer`` move bytes through shared memory
         (both said so, on one host, with CPU tensors; the same on both sides)."""
-        mine, theirs = self.hellos.get(self.rank), self.hellos.get(peer)
-        return bool(mine and theirs and mine.shm_host and mine.shm_host == theirs.shm_host)
+        return self.direct_link(self.rank, peer) == "shm"
 
     def direct_link(self, src: int, dst: int) -> str:
         """How destination ``dst`` reads source ``src``'s exported tensors
@@ -663,7 +662,7 @@ class RefitGroup:
 
     def peer_alive(self, peer: int) -> bool:
         """False when ``peer`` runs on this host (shared memory, CUDA IPC) and its process is gone."""
-        if not (self.shares_memory(peer) or self.direct_link(peer, self.rank) or self.direct_link(self.rank, peer)):
+        if not (self.direct_link(peer, self.rank) or self.direct_link(self.rank, peer)):
             return True
         try:
             os.kill(self.hellos[peer].pid, 0)
