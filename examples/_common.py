@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 import urllib.request
 from pathlib import Path
+
+from reshard.testing.ports import free_port
 
 __all__ = ["free_port", "start_vllm_server", "stop", "workdir"]
 
@@ -20,12 +21,6 @@ def workdir(name: str) -> Path:
     path = Path(base) / name if base else Path(tempfile.mkdtemp(prefix=f"reshard-{name}-"))
     path.mkdir(parents=True, exist_ok=True)
     return path
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_vllm_server(model: Path, log: Path, *args: str) -> tuple[subprocess.Popen, str]:

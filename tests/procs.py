@@ -9,18 +9,16 @@ from __future__ import annotations
 import contextlib
 import multiprocessing as mp
 import os
-import socket
 import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from reshard.testing.ports import free_port
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+STARTED: set[int] = set()
+"""The pids of every process this harness started (in this test process)."""
 
 
 class StoreServer:
@@ -39,6 +37,12 @@ class StoreServer:
     @property
     def address(self) -> str:
         return f"127.0.0.1:{self.port}"
+
+    def wait(self, key: str, timeout_s: float = 600) -> None:
+        """Until some process sets ``key`` on this store."""
+        import datetime
+
+        self.store.wait([key], datetime.timedelta(seconds=timeout_s))
 
 
 @dataclass
@@ -73,6 +77,7 @@ class Running:
         self.queue = ctx.Queue()
         self.process = ctx.Process(target=_entry, args=(fn, rank, args, self.queue), daemon=daemon)
         self.process.start()
+        STARTED.add(self.process.pid)
         self._outcome: Outcome | None = None
 
     def poll(self, timeout: float = 0.0) -> Outcome | None:
@@ -209,6 +214,7 @@ class Pool:
         ]
         for p in self.procs:
             p.start()
+            STARTED.add(p.pid)
 
     def submit(self, fn: Callable, *args: Any) -> None:
         for q in self.inboxes:

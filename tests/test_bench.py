@@ -71,7 +71,7 @@ def test_plan_colocate_counts_on_the_same_gpu_link_what_the_executor_moves_throu
     from reshard.costmodel.cost import reshard_cost
     from reshard.costmodel.rules import EngineSpec, TrainerSpec, engine_layouts, trainer_layouts
     from reshard.plan.planner import Planner
-    from reshard.tools.bench import _tensors
+    from reshard.tools.bench import bench_tensors
 
     cluster = Cluster(name="one-gpu-hosts", gpus_per_host=1, hosts_per_domain=1, nic_gbit=100, nvlink_gbyte=100)
     placement = place(cluster, 2, 2, colocate=True)
@@ -86,7 +86,7 @@ def test_plan_colocate_counts_on_the_same_gpu_link_what_the_executor_moves_throu
         domains=tuple(f"d{d}" for d in placement.domain_of),
         shm_hosts=tuple(f"gpu{g}" for g in placement.gpu_of),
     )
-    metas = _tensors(case)
+    metas = bench_tensors(case)
     sources = trainer_layouts(metas, case.config, TrainerSpec.parse("fsdp=2")).layout_set("source")
     dests = engine_layouts(metas, case.config, EngineSpec(tp=2, dp=1), base=2).layout_set("destination")
     traffic = Planner(sources, dests, domain_of=placement.domain_of.__getitem__).traffic()

@@ -16,7 +16,7 @@ from .sglang_support import sglang_python
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 SCRIPTS = sorted(p.name for p in EXAMPLES.glob("*.py") if not p.name.startswith("_"))
 ENGINES = {"vllm_offline_rlhf.py", "vllm_server.py", "vllm_weight_transfer_http.py", "megatron_to_vllm.py"}
-ENGINES |= {"ray_job.py", "sglang_server.py"}
+ENGINES |= {"ray_job.py", "sglang_server.py", "deepspeed_to_vllm.py", "trl_grpo.py"}
 
 
 def test_every_example_is_listed():
@@ -27,6 +27,10 @@ def test_every_example_is_listed():
 def test_example_runs(script, tmp_path):
     if script in ENGINES:
         pytest.importorskip("vllm")
+    if script == "trl_grpo.py":
+        pytest.importorskip("trl")
+    if script == "deepspeed_to_vllm.py":
+        pytest.importorskip("deepspeed", reason="DeepSpeed is not installed (scripts/trainers_setup.sh)")
     args = []
     if script == "sglang_server.py":
         py = sglang_python()

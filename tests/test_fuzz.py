@@ -107,7 +107,8 @@ def test_huge_length_prefixes_are_rejected_at_once(blob):
     t0 = time.monotonic()
     with pytest.raises(MetadataError, match="malformed refit metadata"):
         wire.decode(blob)
-    assert time.monotonic() - t0 < 1
+    # Refused from the prefix alone (no 4 GB allocation); a generous bound for a busy machine.
+    assert time.monotonic() - t0 < 10
 
 
 def test_oversized_metadata_is_refused_before_decoding():

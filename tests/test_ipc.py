@@ -24,7 +24,7 @@ from reshard.transport import wire
 from reshard.transport.execute import Executor, wire_transfers, without_direct
 from reshard.transport.group import GroupConfig, RefitGroup
 from reshard.transport.ipc import CudaExporter
-from reshard.transport.session import _no_wire_problems
+from reshard.transport.links import no_wire_problems
 
 from . import procs
 
@@ -158,7 +158,7 @@ def test_colocated_fsdp_to_tp2_moves_every_byte_directly_when_every_source_tenso
     moved = 0
     for r, plan in plans.items():
         g = _group(r, hellos)
-        assert _no_wire_problems(g, plan, tuple(exports.get(r, {}).values())) == ()
+        assert no_wire_problems(g, plan, tuple(exports.get(r, {}).values())) == ()
         direct_in: dict = {}
         left = without_direct(g, plan, exports, direct_in, {})
         assert wire_transfers(left) == [], r
@@ -172,7 +172,7 @@ def test_a_plan_that_needs_the_missing_process_group_is_refused_naming_tensor_an
     skipped = plans[0].transfers()[0].src.local
     mine = _exports(plans[0], "GPU-a", skip=skipped)
     g = _group(0, hellos)
-    (problem,) = _no_wire_problems(g, plans[0], tuple(mine[0].values()), f"tensor {skipped!r}: expandable segments")
+    (problem,) = no_wire_problems(g, plans[0], tuple(mine[0].values()), f"tensor {skipped!r}: expandable segments")
     assert problem.kind == "link" and problem.ranks[0] == 0 and len(problem.ranks) > 1
     assert "not exported by its sender" in problem.message and "NCCL refuses two ranks" in problem.message
     assert problem.message.endswith(f"rank 0 did not export: tensor {skipped!r}: expandable segments")
@@ -181,7 +181,7 @@ def test_a_plan_that_needs_the_missing_process_group_is_refused_naming_tensor_an
         Executor(_group(2, hellos), plans[2], exports={**mine, **_exports(plans[1], "GPU-a")})
     # Ranks that cannot map the GPU at all (no shared_memory): the reason names them.
     blind = {r: _hello(r, "GPU-a", ipc_host="") for r in range(4)}
-    (problem,) = _no_wire_problems(_group(0, blind), plans[0], ())
+    (problem,) = no_wire_problems(_group(0, blind), plans[0], ())
     assert "cannot map rank 0's GPU" in problem.message
 
 

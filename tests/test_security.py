@@ -112,7 +112,7 @@ def test_a_rank_with_another_token_is_refused_and_can_neither_read_nor_inject():
         t0 = time.monotonic()
         with pytest.raises(RefitError, match=r"refused: job 'reshard' generation 0 .* different job token") as e:
             RefitGroup.join(cfg, rank=1)
-        assert time.monotonic() - t0 < 5
+        assert time.monotonic() - t0 < 20  # at once, not at the 30 s timeout (generous on a busy machine)
         assert e.value.step == "join" and hint in str(e.value)
     # Anyone who can reach the store can list and read it, but learns nothing:
     # no tensor name, no layout, in any value.

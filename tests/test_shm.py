@@ -10,6 +10,7 @@ refit works, and nothing is left in ``/dev/shm``.
 from __future__ import annotations
 
 import os
+import re
 import time
 
 import pytest
@@ -27,10 +28,23 @@ from reshard.transport.shm import SHM_DIR
 from . import procs
 from .test_transport import _collect, _encode, _relayouts, run_problems
 
+_CREATOR = re.compile(r"reshard-[0-9a-f]+-e\d+-\d+\.(\d+)-|torch_(\d+)_")
+"""The creator's pid in a channel's name (``channel_name``) or in a file
+torch made when a trainer's storage moved into shared memory."""
+
 
 def _leftovers() -> list[str]:
-    # torch_*: what moving a trainer's storage into shared memory could leave.
-    return sorted(f for f in os.listdir(SHM_DIR) if f.startswith(("reshard-", "torch_")))
+    """The shared-memory files this test process or its ranks made (another
+    job on the machine, a second `make test` say, has its own)."""
+    ours = procs.STARTED | {os.getpid()}
+    out = []
+    for f in os.listdir(SHM_DIR):
+        if not f.startswith(("reshard-", "torch_")):
+            continue
+        m = _CREATOR.match(f)
+        if m is None or int(m.group(1) or m.group(2)) in ours:
+            out.append(f)
+    return sorted(out)
 
 
 @pytest.fixture(autouse=True)

@@ -29,14 +29,15 @@ import argparse
 import json
 import math
 import multiprocessing as mp
-import socket
 import statistics
 import time
 import zlib
 from dataclasses import dataclass, replace
 from typing import Any
 
-__all__ = ["BenchCase", "destination_slots", "main", "run_bench", "run_ranks"]
+from reshard.testing.ports import free_port
+
+__all__ = ["BenchCase", "bench_tensors", "destination_slots", "main", "run_bench", "run_ranks"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -91,10 +92,14 @@ CASES = {
 }
 
 
-def _tensors(case: BenchCase):
+def bench_tensors(case: BenchCase):
+    """The bench model's canonical tensors (bf16)."""
     from reshard.models import canonical_tensors
 
     return tuple(canonical_tensors(case.config, dtype="bfloat16"))
+
+
+_tensors = bench_tensors  # the name benchmarks/gpu_check.py imports
 
 
 def _global(meta):
@@ -102,12 +107,6 @@ def _global(meta):
 
     g = torch.Generator().manual_seed(zlib.crc32(meta.name.encode()))
     return torch.randn(meta.shape, generator=g, dtype=torch.float32).to(torch.bfloat16)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_ranks(fn, world: int, *args: Any, timeout: float, what: str = "bench") -> dict[int, Any]:
@@ -121,7 +120,7 @@ def run_ranks(fn, world: int, *args: Any, timeout: float, what: str = "bench") -
 
     from reshard.tools.engine_bench import collect, entry, join_all
 
-    port = _free_port()
+    port = free_port()
     store = TCPStore("127.0.0.1", port, None, True, timeout=datetime.timedelta(seconds=60), wait_for_workers=False)
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
@@ -148,7 +147,7 @@ def _run_rank(rank: int, address: str, case: BenchCase, reps: int, warmup: int) 
     from reshard.transport.group import GroupConfig
 
     torch.set_num_threads(1)
-    metas = _tensors(case)
+    metas = bench_tensors(case)
     t = case.trainer_ranks
     cfg = GroupConfig(
         address=address,
@@ -258,7 +257,7 @@ def _volume(case: BenchCase, metas) -> int:
 def _check(local, slots) -> bool:
     import torch
 
-    from reshard.transport.execute import local_view
+    from reshard.transport.messages import local_view
 
     cache: dict[str, Any] = {}
     for meta, s in slots:
@@ -330,7 +329,7 @@ def _summarize(case: BenchCase, results: dict[int, dict], reps: int, warmup: int
         }
     raw = results[t]["raw"]
     raw_gbps = raw["bytes"] * 8 / raw["seconds"] / 1e9
-    model_bytes = sum(m.nbytes for m in _tensors(case))
+    model_bytes = sum(m.nbytes for m in bench_tensors(case))
     # Useful throughput: the bytes engine workers keep, over each method's time.
     volume = raw["bytes"]
     r = methods["reshard"]

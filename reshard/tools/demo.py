@@ -23,6 +23,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from reshard.testing.ports import free_port
+
 __all__ = ["main"]
 
 # About 50 MB of float32 weights: big enough that the two methods differ,
@@ -148,14 +150,6 @@ def _rank1(rank: int, world: int, pg_port: int, ckpt: str, address: str, steps: 
     _trainer(rank, world, pg_port, ckpt, address, steps, engine_workers)
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _fresh(path: str, q) -> None:
     """A fresh TP=1 engine on ``path`` (its own process): greedy tokens."""
     from reshard.testing.engines import greedy, offline_llm, shutdown
@@ -205,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     _say(f"      greedy tokens before training: {before[0]}")
 
     _say("[3/5] starting the trainer: 2 ranks, FSDP2 on gloo (this process is rank 0) ...")
-    pg_port, refit_port = _free_port(), _free_port()
+    pg_port, refit_port = free_port(), free_port()
     address = f"127.0.0.1:{refit_port}"
     ctx = mp.get_context("spawn")
     peer = ctx.Process(target=_rank1, args=(1, 2, pg_port, str(ckpt), address, args.steps, args.tp), daemon=True)
