@@ -34,6 +34,7 @@ optimistic):
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -42,7 +43,7 @@ from reshard.plan.index import LayoutSet
 from reshard.plan.planner import Planner
 from reshard.plan.traffic import Traffic
 
-__all__ = ["MethodCost", "gather_broadcast_cost", "lower_bound", "reshard_cost"]
+__all__ = ["LinkLoads", "MethodCost", "gather_broadcast_cost", "link_loads", "lower_bound", "reshard_cost"]
 
 
 @dataclass(slots=True)
@@ -67,55 +68,93 @@ class MethodCost:
         }
 
 
-def reshard_cost(traffic: Traffic, cluster: Cluster, placement: Deployment) -> MethodCost:
-    nic, nvl, hbm = cluster.nic_bytes_per_s, cluster.nvlink_bytes_per_s, cluster.hbm_bytes_per_s
-    nic_in: Counter = Counter()
-    nic_out: Counter = Counter()
-    nvl_in: Counter = Counter()
-    nvl_out: Counter = Counter()
-    same_gpu: Counter = Counter()
-    messages: Counter = Counter()
-    rounds = traffic.num_rounds
-    net_bytes = nvl_bytes = 0
+@dataclass(slots=True)
+class LinkLoads:
+    """Bytes per GPU and link of one plan's traffic (:func:`link_loads`)."""
+
+    nic_in: Counter = field(default_factory=Counter)
+    nic_out: Counter = field(default_factory=Counter)
+    nvl_in: Counter = field(default_factory=Counter)
+    nvl_out: Counter = field(default_factory=Counter)
+    same_gpu: Counter = field(default_factory=Counter)
+    send: Counter = field(default_factory=Counter)
+    """Per rank, bytes it sends (same-GPU pairs included)."""
+    recv: Counter = field(default_factory=Counter)
+    net_bytes: int = 0
+    nvl_bytes: int = 0
+
+    @property
+    def gpus(self) -> set:
+        return set(self.nic_in) | set(self.nic_out) | set(self.nvl_in) | set(self.nvl_out) | set(self.same_gpu)
+
+    def seconds(self, cluster: Cluster) -> float:
+        """The busiest GPU's busiest link (links overlap)."""
+        nic, nvl, hbm = cluster.nic_bytes_per_s, cluster.nvlink_bytes_per_s, cluster.hbm_bytes_per_s
+        return max(
+            (
+                max(
+                    self.nic_in[g] / nic,
+                    self.nic_out[g] / nic,
+                    self.nvl_in[g] / nvl,
+                    self.nvl_out[g] / nvl,
+                    self.same_gpu[g] / hbm,
+                )
+                for g in self.gpus
+            ),
+            default=0.0,
+        )
+
+
+def link_loads(
+    traffic: Traffic, placement: Deployment, wire: Callable[[int, int, int], int] | None = None
+) -> LinkLoads:
+    """Where ``traffic``'s bytes go: pairs on one GPU copy through its
+    memory, pairs in one NVLink domain over NVLink, the others over NICs.
+    ``wire(src, dst, bytes)``: what a pair on two GPUs puts on the wire
+    (default: its bytes)."""
+    out = LinkLoads()
     for (s, d), b in traffic.pairs.items():
         gs, gd = placement.gpu_of[s], placement.gpu_of[d]
-        m = min(traffic.transfers[(s, d)], rounds)
-        messages[gs] += m
-        messages[gd] += m
+        if gs != gd and wire is not None:
+            b = wire(s, d, b)
+        out.send[s] += b
+        out.recv[d] += b
         if gs == gd:
-            same_gpu[gs] += b
-            continue
-        if placement.domain_of[s] == placement.domain_of[d]:
-            nvl_out[gs] += b
-            nvl_in[gd] += b
-            nvl_bytes += b
+            out.same_gpu[gs] += b
+        elif placement.domain_of[s] == placement.domain_of[d]:
+            out.nvl_out[gs] += b
+            out.nvl_in[gd] += b
+            out.nvl_bytes += b
         else:
-            nic_out[gs] += b
-            nic_in[gd] += b
-            net_bytes += b
+            out.nic_out[gs] += b
+            out.nic_in[gd] += b
+            out.net_bytes += b
     for r, b in traffic.local.items():
-        same_gpu[placement.gpu_of[r]] += b
-    gpus = set(nic_in) | set(nic_out) | set(nvl_in) | set(nvl_out) | set(same_gpu)
-    nic_t = max((max(nic_in[g], nic_out[g]) / nic for g in gpus), default=0.0)
-    nvl_t = max((max(nvl_in[g], nvl_out[g]) / nvl for g in gpus), default=0.0)
-    hbm_t = max((same_gpu[g] / hbm for g in gpus), default=0.0)
-    link_t = max(
-        (max(nic_in[g] / nic, nic_out[g] / nic, nvl_in[g] / nvl, nvl_out[g] / nvl, same_gpu[g] / hbm) for g in gpus),
-        default=0.0,
-    )
+        out.same_gpu[placement.gpu_of[r]] += b
+    return out
+
+
+def reshard_cost(traffic: Traffic, cluster: Cluster, placement: Deployment) -> MethodCost:
+    nic, nvl, hbm = cluster.nic_bytes_per_s, cluster.nvlink_bytes_per_s, cluster.hbm_bytes_per_s
+    loads = link_loads(traffic, placement)
+    rounds = traffic.num_rounds
+    messages: Counter = Counter()
+    for s, d in traffic.pairs:
+        m = min(traffic.transfers[(s, d)], rounds)
+        messages[placement.gpu_of[s]] += m
+        messages[placement.gpu_of[d]] += m
+    gpus = loads.gpus
+    nic_t = max((max(loads.nic_in[g], loads.nic_out[g]) / nic for g in gpus), default=0.0)
+    nvl_t = max((max(loads.nvl_in[g], loads.nvl_out[g]) / nvl for g in gpus), default=0.0)
+    hbm_t = max((loads.same_gpu[g] / hbm for g in gpus), default=0.0)
     round_t = rounds * cluster.round_latency_s
-    recv: Counter = Counter()
-    send: Counter = Counter()
-    for (s, d), b in traffic.pairs.items():
-        send[s] += b
-        recv[d] += b
     return MethodCost(
-        network_bytes=net_bytes,
-        nvlink_bytes=nvl_bytes,
-        local_bytes=sum(same_gpu.values()),
-        max_rank_recv_bytes=max(recv.values(), default=0),
-        max_rank_send_bytes=max(send.values(), default=0),
-        estimated_seconds=link_t + round_t,
+        network_bytes=loads.net_bytes,
+        nvlink_bytes=loads.nvl_bytes,
+        local_bytes=sum(loads.same_gpu.values()),
+        max_rank_recv_bytes=max(loads.recv.values(), default=0),
+        max_rank_send_bytes=max(loads.send.values(), default=0),
+        estimated_seconds=loads.seconds(cluster) + round_t,
         breakdown={
             "nic_seconds": nic_t,
             "nvlink_seconds": nvl_t,

@@ -10,6 +10,7 @@ from typing import Any
 from reshard.costmodel.cluster import PRESETS as CLUSTERS
 from reshard.costmodel.cluster import Cluster, place
 from reshard.costmodel.cost import gather_broadcast_cost, lower_bound, reshard_cost
+from reshard.costmodel.delta import DeltaAssumptions, delta_cost
 from reshard.costmodel.rules import EngineSpec, SideLayouts, TrainerSpec, engine_layouts, trainer_layouts
 from reshard.plan.index import gc_paused
 from reshard.plan.planner import Planner
@@ -33,7 +34,9 @@ class PlanReport:
             "",
             f"{'method':<18}{'network GB':>12}{'NVLink GB':>12}{'max recv GB':>13}{'max send GB':>13}{'seconds':>10}",
         ]
-        for key in ("reshard", "gather_broadcast"):
+        for key in ("reshard", "reshard_delta", "gather_broadcast"):
+            if key not in d:
+                continue
             m = d[key]
             lines.append(
                 f"{key:<18}{m['network_bytes'] / gb:>12.1f}{m['nvlink_bytes'] / gb:>12.1f}"
@@ -57,6 +60,15 @@ class PlanReport:
             f"(if they overlapped perfectly: {g['overlapped_seconds']:.3f}s)",
             f"planning one rank's plan: {d['plan_seconds']:.3f}s (slowest of ranks {d['plan_sample_ranks']})",
         ]
+        if "reshard_delta" in d:
+            x = d["reshard_delta"]["breakdown"]
+            lines.append(
+                f"delta refit at {100 * x['changed']:g}% changed: the wire carries {x['wire_ratio']:.3f}x the dense "
+                f"bytes; digests {x['digest_seconds']:.3f}s, compare {x['compare_seconds']:.3f}s, links "
+                f"{x['link_seconds']:.3f}s, rounds {x['round_seconds']:.3f}s: "
+                f"{d['reshard_delta']['estimated_seconds'] / max(d['reshard']['estimated_seconds'], 1e-12):.2f}x "
+                "a dense refit's time"
+            )
         return "\n".join(lines)
 
 
@@ -92,7 +104,10 @@ def plan_report(
     colocate: bool = False,
     round_bytes: int = DEFAULT_ROUND_BYTES,
     sample_ranks: list[int] | None = None,
+    changed: float | None = None,
 ) -> PlanReport:
+    """``changed``: also predict a delta refit (``GroupConfig.delta``) when
+    that share of the elements changed since the last refit."""
     from reshard.models import load_model
 
     if isinstance(cluster, str):
@@ -136,4 +151,8 @@ def plan_report(
         "plan_sample_ranks": ranks,
         "tensor_families": planner.num_families,
     }
+    if changed is not None:
+        itemsize = max(1, round(spec.nbytes / max(spec.params, 1)))
+        delta = delta_cost(traffic, cl, placement, DeltaAssumptions(changed=changed, itemsize=itemsize))
+        data["reshard_delta"] = delta.as_dict()
     return PlanReport(data)

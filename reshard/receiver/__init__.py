@@ -48,13 +48,18 @@ class Receiver:
         round_bytes: int | None = None,
         check_tensors: bool = True,
         progress: bool | None = None,
+        private_base: bool = False,
     ) -> None:
         """``tensors``: local name -> tensor (a mapping may materialize
         tensors lazily; then pass ``check_tensors=False``, and each tensor is
         checked when a refit first touches it). ``rank``: this worker's refit
         rank (``config.num_sources + engine worker index``). Local tensors
         are checked against the layout at every pull (shape, dtype,
-        contiguity), where a problem reaches every rank before any byte moves."""
+        contiguity), where a problem reaches every rank before any byte moves.
+        ``private_base`` (``GroupConfig.delta``): only reshard writes the
+        tensors refits land in (an engine's staging buffers, not its live
+        weights), so their checksums are taken once a refit succeeded, in a
+        thread, instead of at the next plan step."""
         if rank < config.num_sources:
             raise ValueError(f"refit rank {rank} is a source rank; engine workers start at {config.num_sources}")
         if layout is None:
@@ -75,6 +80,7 @@ class Receiver:
             lazy=not check_tensors,
             progress=progress,
         )
+        self.session.delta.private = private_base
 
     def connect(self) -> None:
         """Join the refit group now (``pull`` does it on first use)."""
@@ -96,6 +102,7 @@ class Receiver:
         destinations: Mapping[str, torch.Tensor] | None = None,
         after_round: Callable[[int], None] | None = None,
         before_transfer: Callable[[RankPlan], None] | None = None,
+        touched: set[str] | None = None,
     ) -> RefitStats:
         """Receive refit number ``refit``. ``destinations`` overrides the
         tensors to write into for this refit (checked like the tensors given
@@ -103,14 +110,23 @@ class Receiver:
         checked when first touched); ``before_transfer(plan)`` runs
         once every rank agreed to go ahead, before the first byte moves;
         ``after_round(i)`` after each round of this rank. ``method``:
-        ``reshard``, or ``gather_broadcast`` (the baseline)."""
+        ``reshard``, or ``gather_broadcast`` (the baseline). ``touched``
+        (``GroupConfig.delta``): a set the local tensors whose values changed
+        join as rounds complete, so ``after_round`` can act on them."""
         if method == "gather_broadcast":
             return self.session.refit_baseline(refit, destinations=destinations)
         if method != "reshard":
             raise ValueError(f"unknown refit method {method!r}; use 'reshard' or 'gather_broadcast'")
         return self.session.refit(
-            refit, destinations=destinations, after_round=after_round, before_transfer=before_transfer
+            refit, destinations=destinations, after_round=after_round, before_transfer=before_transfer, touched=touched
         )
+
+    def forget_base(self, why: str) -> None:
+        """With ``GroupConfig.delta``: this worker's tensors no longer hold
+        what it received last (its engine's apply failed, or something else
+        wrote them), so its next refit is dense, with ``why`` as the reason.
+        A base that changed unnoticed is caught anyway, by its checksum."""
+        self.session.delta.void(why)
 
     def close(self) -> None:
         self.session.close()

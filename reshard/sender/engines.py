@@ -28,6 +28,10 @@ class EngineStats(msgspec.Struct, kw_only=True):
     """The worker's refit rank."""
     refit: int = 0
     bytes_received: int = 0
+    """Bytes that reached the worker, in the dtypes they travel (the trainer's)."""
+    bytes_landed: int = 0
+    """Of those, the bytes written into the worker's tensors, in the worker's
+    dtypes: ``kept_bytes`` after a refit, whatever was cast on arrival."""
     bytes_sent: int = 0
     bytes_copied: int = 0
     """Bytes the worker copied from itself (a slice it both holds and keeps)."""
@@ -35,9 +39,13 @@ class EngineStats(msgspec.Struct, kw_only=True):
     rounds: int = 0
     peak_staging_bytes: int = 0
     kept_bytes: int = 0
-    """Bytes of checkpoint tensors this worker keeps: what a refit must bring."""
+    """Bytes of checkpoint tensors this worker keeps, in its own dtypes: what
+    a refit must land (``bytes_landed``). ``bytes_received`` equals it when
+    the trainer holds the same dtypes; a trainer in float32 into a bfloat16
+    engine sends twice that (see ``casts``)."""
     casts: dict[str, int] = {}
-    """Bytes cast on arrival, by ``"src->dst"`` dtype pair."""
+    """Bytes received in one dtype and cast into another on arrival, by
+    ``"src->dst"`` dtype pair (counted in the dtype they travel)."""
     plan_seconds: float = 0.0
     agree_seconds: float = 0.0
     transfer_seconds: float = msgspec.field(default=0.0, name="seconds")
@@ -58,6 +66,23 @@ class EngineStats(msgspec.Struct, kw_only=True):
     atomic: bool = False
     """A failure would have put the old weights back."""
     layers_processed: int = 0
+    layers_skipped: int = 0
+    """Delta refits into vLLM: layers left as they were (none of their weights changed)."""
+    delta: bool = False
+    """The worker runs delta refits (``GroupConfig.delta``)."""
+    dense_bytes: int = 0
+    """What a dense refit moves over the worker's links (sent plus received)."""
+    wire_bytes: int = 0
+    """What this refit moved over them: ``dense_bytes`` without deltas."""
+    delta_peers: list[int] = []
+    """Trainer ranks that sent this worker deltas."""
+    dense_peers: dict[int, str] = {}
+    """Trainer ranks that could have, that sent dense this refit, with why."""
+    delta_elements: int = 0
+    """Elements the deltas covered; ``delta_changed`` of them changed."""
+    delta_changed: int = 0
+    encodings: dict[str, int] = {}
+    """Delta parts by encoding (``same``, ``dense``, ``sparse``, ``bitmask``)."""
 
     @classmethod
     def of(cls, reply: Any) -> EngineStats:

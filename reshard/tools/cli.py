@@ -19,6 +19,7 @@ def _plan(args: argparse.Namespace) -> int:
         cluster=args.cluster,
         colocate=args.colocate,
         round_bytes=args.round_mib << 20,
+        changed=args.changed,
     )
     if args.json:
         print(json.dumps(report.data, indent=2))
@@ -42,6 +43,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--colocate", action="store_true", help="engine rank i shares GPU i with trainer rank i")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--round-mib", type=int, default=128, help="tensor data per round (MiB)")
+    p.add_argument(
+        "--changed",
+        type=float,
+        default=None,
+        help="also predict a delta refit when this share of the elements changed (0.02: 2%%)",
+    )
     p.set_defaults(func=_plan)
     sub.add_parser(
         "bench",
@@ -55,6 +62,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "bench":
+        if any(a in ("delta", "--case=delta") for a in argv[1:]) and "--engine" not in argv:
+            # Dense, delta and gather-and-broadcast refits after AdamW steps.
+            from reshard.tools.delta_bench import main as delta_main
+
+            return delta_main(argv[1:])
         from reshard.tools.bench import main as bench_main
 
         return bench_main(argv[1:])

@@ -36,6 +36,8 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+from reshard.testing.ports import free_port
+
 __all__ = ["METHODS", "format_result", "plot", "run_engine_bench"]
 
 METHODS = ("reshard", "two_phase", "gather_broadcast", "reload", "raw_p2p")
@@ -82,14 +84,6 @@ def barrier(store, step: int, parties: int) -> None:
         time.sleep(0.001)
 
 
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def schedule(warmup: int, reps: int, methods: tuple[str, ...] = METHODS) -> list[tuple[int, str]]:
     return [(rep, m) for rep in range(warmup + reps) for m in methods]
 
@@ -119,26 +113,36 @@ def entry(fn, rank: int, args: tuple, q) -> None:
         q.put((fn.__name__, rank, None, f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
 
 
-def trainer_rank(rank: int, cfg: dict[str, Any]) -> list[dict[str, Any]]:
+def fsdp2_trainer(rank: int, world: int, pg_port: int, path: str, dtype: str) -> Any:
+    """This process as rank ``rank`` of a gloo group of ``world`` trainer
+    ranks holding the model at ``path`` in ``dtype`` under FSDP2 (each
+    decoder layer, then the whole model)."""
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from transformers import AutoModelForCausalLM
 
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(pg_port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype))
+    mesh = init_device_mesh("cpu", (world,))
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def trainer_rank(rank: int, cfg: dict[str, Any]) -> list[dict[str, Any]]:
+    import torch
+    import torch.distributed as dist
+
     from reshard import GroupConfig, Sender
 
     torch.set_num_threads(1)
     world = cfg["trainers"]
     store = bench_store(cfg["bench_address"])
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(cfg["pg_port"]))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    dtype = getattr(torch, cfg["dtype"])
-    model = AutoModelForCausalLM.from_pretrained(cfg["trainer_path"], dtype=dtype)
-    mesh = init_device_mesh("cpu", (world,))
-    for layer in model.model.layers:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+    model = fsdp2_trainer(rank, world, cfg["pg_port"], cfg["trainer_path"], cfg["dtype"])
     group = GroupConfig(address=cfg["refit_address"], num_sources=world, num_destinations=cfg["tp"], timeout_s=600)
     sender = Sender(model, config=group)
     kept = json.loads(store.get("bench/kept"))

@@ -27,6 +27,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--workdir", default=None, help="where the checkpoints go (default: a folder in /dev/shm)")
+    ap.add_argument(
+        "--delta",
+        action="store_true",
+        help="vLLM: delta refits after AdamW steps, against dense ones and gather-and-broadcast",
+    )
+    ap.add_argument("--lr", type=float, default=1e-6, help="--delta: the AdamW learning rate")
+    ap.add_argument("--master", default="bfloat16", choices=["bfloat16", "float32"], help="--delta: trainer dtype")
     ap.add_argument("--json", action="store_true", help="print one JSON object (with every rank's timeline)")
     ap.add_argument("--plot", default=None, help="write a PNG of the results")
     args = ap.parse_args(argv)
@@ -41,7 +48,23 @@ def main(argv: list[str] | None = None) -> int:
         saved = os.dup(1)
         os.dup2(2, 1)
     try:
-        if args.engine == "sglang":
+        if args.delta:
+            if args.engine != "vllm":
+                ap.error("--delta runs into vLLM")
+            from reshard.tools.delta_engine_bench import run_delta_engine_bench
+
+            res = run_delta_engine_bench(
+                size_mb=args.size_mb,
+                tp=args.tp or 2,
+                trainers=args.trainers,
+                reps=args.reps,
+                warmup=args.warmup,
+                lr=args.lr,
+                master=args.master,
+                workdir=args.workdir,
+                say=say,
+            )
+        elif args.engine == "sglang":
             if args.tp not in (None, 1):
                 ap.error("SGLang runs at TP=1 on CPU")
             res = run_sglang_bench(
@@ -72,8 +95,12 @@ def main(argv: list[str] | None = None) -> int:
             os.close(saved)
     if args.json:
         print(json.dumps(res, indent=1))
+    elif args.delta:
+        from reshard.tools.delta_engine_bench import format_delta_engine
+
+        print(format_delta_engine(res), flush=True)
     else:
         print(engine_bench.format_result(res), flush=True)
-    if args.plot:
+    if args.plot and not args.delta:
         engine_bench.plot(res, args.plot)
     return 0

@@ -1,0 +1,151 @@
+"""One round of a delta refit, for the executor: a sender encodes its
+transfers to each delta peer into one payload (per transfer: the part
+:mod:`reshard.transport.encoding` picks, back to back) and keeps its
+snapshot up to date; a receiver reads the peers' headers, sizes their
+payloads, and patches their parts onto its tensors.
+
+The executor owns the process group, the staging arena and the waits; these
+functions own what the bytes mean.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from reshard.plan.items import Round, Transfer
+from reshard.plan.layout import dtype_size
+from reshard.transport.delta import Snapshots, snapshot_key
+from reshard.transport.encoding import NAMES, SAME, apply_part, dense_size, encode_part, part_size, wire_dtype
+from reshard.transport.messages import local_view
+from reshard.transport.stats import ExecStats
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["HEADER_BYTES", "Payload", "apply_payload", "encode_round", "header_parts", "snapshot_dense"]
+
+HEADER_BYTES = 16
+"""A delta header's bytes per transfer: its encoding and changed count (two int64)."""
+
+Payload = tuple["torch.Tensor", list[tuple[int, int]]]
+"""A peer's payload of one round and its header rows ``(encoding, changed)``."""
+
+TensorOf = Callable[[Transfer, str], "torch.Tensor"]
+"""The executor's local tensor of a transfer's ``src`` or ``dst`` side (checked)."""
+
+
+def encode_round(
+    rnd: Round,
+    peers: frozenset[int],
+    snaps: Snapshots,
+    arena: torch.Tensor,
+    offsets: dict,
+    tensor_of: TensorOf,
+    device: torch.device,
+    stats: ExecStats,
+) -> tuple[dict[int, Payload], set[tuple]]:
+    """Encode this round's transfers to every delta peer in ``peers`` into its
+    payload (in the arena, at ``offsets[("dsend", peer)]``); a box sent to
+    several peers is compared once. Brings the snapshot entries it compared
+    up to date. Returns the payloads by peer and the snapshot keys encoded."""
+    out: dict[int, Payload] = {}
+    done: dict[tuple, tuple[int, int, torch.Tensor]] = {}
+    t0 = time.perf_counter()
+    for peer in sorted(p for p in rnd.sends if p in peers):
+        transfers = rnd.sends[peer]
+        buf = arena.narrow(0, offsets[("dsend", peer)], sum(dense_size(t) for t in transfers))
+        pos = 0
+        rows = []
+        for t in transfers:
+            key = snapshot_key(t)
+            hit = done.get(key)
+            if hit is None:
+                new = snaps.new_values(t, tensor_of(t, "src"))
+                enc, k, n = encode_part(new, snaps.entry(t, device), buf.narrow(0, pos, dense_size(t)))
+                hit = done[key] = (enc, k, buf.narrow(0, pos, n))
+                stats.delta_elements += t.box.numel
+                stats.delta_changed += k
+            else:
+                buf.narrow(0, pos, hit[2].numel()).copy_(hit[2])
+            enc, k, part = hit
+            stats.encodings[NAMES[enc]] = stats.encodings.get(NAMES[enc], 0) + 1
+            rows.append((enc, k))
+            pos += part.numel()
+        out[peer] = (buf.narrow(0, 0, pos), rows)
+    stats.delta_seconds += time.perf_counter() - t0
+    return out, set(done)
+
+
+def snapshot_dense(
+    rnd: Round,
+    peers: frozenset[int],
+    snaps: Snapshots,
+    encoded: set[tuple],
+    tensor_of: TensorOf,
+    device: torch.device,
+) -> None:
+    """Bring the snapshot entries of this round's boxes for the peers that
+    move dense (``peers`` are those that move deltas), and that the snapshot
+    keeps, up to date: the next refit may be a delta for them. Runs after
+    the round's deltas were encoded (``encoded``), so no delta is taken
+    against an entry updated first."""
+    done = set(encoded)
+    for peer in sorted(rnd.sends):
+        if peer in peers or peer not in snaps.admitted:
+            continue
+        for t in rnd.sends[peer]:
+            key = snapshot_key(t)
+            if t.kind != "pull" or key in done:
+                continue
+            done.add(key)
+            entry = snaps.entry(t, device)
+            entry.view(t.box.sizes).copy_(local_view(tensor_of(t, "src"), t.src, t.box))
+
+
+def header_parts(transfers: list[Transfer], header: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
+    """``(encoding, changed, bytes)`` of each part a peer's header announces
+    for ``transfers``; ``ValueError`` naming the transfer for a header that
+    cannot be its sender's (checked before any receive is posted for it)."""
+    parts = []
+    for t, (enc, k) in zip(transfers, header, strict=True):
+        n = t.box.numel
+        try:
+            if not 0 <= k <= n or (enc == SAME) != (k == 0):
+                raise ValueError(f"{k} of {n} elements changed")
+            size = part_size(enc, n, k, dtype_size(wire_dtype(t)))
+        except ValueError as e:
+            raise ValueError(f"its header does not fit {t.tensor!r}{t.box} (encoding {enc}, {k} changed): {e}") from e
+        parts.append((enc, k, size))
+    return parts
+
+
+def apply_payload(
+    transfers: list[Transfer],
+    parts: list[tuple[int, int, int]],
+    buf: torch.Tensor | None,
+    tensor_of: TensorOf,
+    touched: set[str],
+    stats: ExecStats,
+) -> None:
+    """Patch a payload's parts onto this rank's tensors (its base); the
+    destination tensors that changed join ``touched``. ``ValueError`` naming
+    the transfer for a malformed part."""
+    t0 = time.perf_counter()
+    pos = 0
+    for t, (enc, k, n) in zip(transfers, parts, strict=True):
+        stats.encodings[NAMES[enc]] = stats.encodings.get(NAMES[enc], 0) + 1
+        stats.delta_elements += t.box.numel
+        stats.delta_changed += k
+        if enc == SAME:
+            continue
+        assert buf is not None
+        dst = local_view(tensor_of(t, "dst"), t.dst, t.box)
+        try:
+            apply_part(enc, k, buf.narrow(0, pos, n), dst)
+        except ValueError as e:
+            raise ValueError(f"the part for {t.tensor!r}{t.box} is malformed: {e}") from e
+        touched.add(t.dst.local)
+        pos += n
+    stats.delta_seconds += time.perf_counter() - t0

@@ -1,0 +1,486 @@
+"""Delta refits (``GroupConfig.delta``): each pair of ranks moves only the
+elements that changed since the last refit, bit-exactly, or moves dense when
+it cannot prove the receiver holds what the sender sent last.
+
+- the encodings, in one process: every density from nothing to everything,
+  every dtype, contiguous and strided destinations, the numpy (CPU) and the
+  torch (GPU) paths, exact sizes;
+- random layouts (the strategies of the planner's property tests) over 5
+  refits, the trainer's values changing in place between them at random
+  densities (all-zero and all-changed tensors included): after each refit
+  every destination holds what a dense refit gives, bit for bit, and the
+  bytes on the wire are exactly what the chosen encodings predict;
+- fencing: a receiver restarted, a layout changed, a refit failed, a base
+  corrupted, a snapshot over budget: the right pairs move dense, with the
+  reason in the stats, and deltas resume afterwards.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import zlib
+from functools import lru_cache
+
+import msgspec
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from reshard.plan.box import Box
+from reshard.plan.layout import Layout, TensorMeta, dtype_size
+from reshard.plan.specs import PieceSpec, build_layout
+from reshard.receiver import Receiver
+from reshard.sender import Sender
+from reshard.transport import encoding as E
+from reshard.transport.group import GroupConfig
+
+from . import procs
+from .test_transport import _collect, expand, global_tensor, local_view, make_locals
+
+# -- encodings -------------------------------------------------------------------------
+
+DTYPES = [torch.bfloat16, torch.float32, torch.float16, torch.int8, torch.float8_e4m3fn, torch.float64, torch.bool]
+
+
+def _changed(base: torch.Tensor, density: float, seed: int) -> torch.Tensor:
+    """``base`` with about ``density`` of its elements changed (each surely: its first byte flipped)."""
+    n = base.numel()
+    new = base.clone()
+    if n:
+        g = torch.Generator().manual_seed(seed)
+        mask = torch.rand(n, generator=g) < density
+        rows = new.view(torch.uint8).view(n, -1)
+        rows[mask, 0] ^= 1
+    return new
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=list(HealthCheck))
+@given(
+    dtype=st.sampled_from(DTYPES),
+    n=st.one_of(st.integers(0, 64), st.integers(65000, 140000)),
+    density=st.sampled_from([0.0, 1e-4, 0.003, 0.03, 0.07, 0.3, 0.9, 1.0]),
+    path=st.sampled_from(["compiled", "numpy", "torch"]),
+    strided=st.booleans(),
+    seed=st.integers(0, 1000),
+)
+def test_encodings_are_exact_smallest_and_sized_as_predicted(dtype, n, density, path, strided, seed, monkeypatch):
+    """Every path alike: the compiled CPU kernels (numba), numpy, and torch
+    (what runs on a GPU)."""
+    monkeypatch.setenv("RESHARD_NUMBA", "1" if path == "compiled" else "0")
+    g = torch.Generator().manual_seed(seed)
+    raw = torch.randint(0, 2 if dtype == torch.bool else 256, (n * dtype.itemsize,), dtype=torch.uint8, generator=g)
+    base = raw.view(dtype)
+    new = _changed(base, density, seed + 1)
+    k = int((new.view(torch.uint8).view(n, -1) != base.view(torch.uint8).view(n, -1)).any(1).sum()) if n else 0
+    snap = base.clone()
+    out = torch.zeros(E.pad(n * dtype.itemsize), dtype=torch.uint8)
+    encode = E._encode_torch if path == "torch" else E._encode_np
+    enc, got_k, size = encode(new, snap, out, n, dtype.itemsize)
+    assert got_k == k
+    assert enc == E.choose(n, k, dtype.itemsize)
+    assert size == E.part_size(enc, n, k, dtype.itemsize)
+    # The smallest of the four, never more than dense, nothing when nothing changed.
+    sizes = [E.part_size(e, n, k, dtype.itemsize) for e in (E.DENSE, E.SPARSE, E.BITMASK)]
+    assert size == (0 if k == 0 else min(sizes)) <= E.pad(n * dtype.itemsize)
+    assert torch.equal(snap.view(torch.uint8), new.view(torch.uint8))  # the snapshot moved on
+    if strided and n % 4 == 0 and n:
+        holder = base.new_zeros((n // 4, 6))
+        holder[:, 1:5] = base.view(n // 4, 4)
+        dst = holder[:, 1:5]
+    else:
+        dst = base.clone()
+    E.apply_part(enc, k, out[:size], dst)
+    assert torch.equal(dst.contiguous().view(-1).view(torch.uint8), new.view(torch.uint8))
+
+
+def test_sparse_wins_below_about_one_in_sixteen_bitmask_until_nearly_all():
+    n = 1 << 20
+    assert E.choose(n, 0, 2) == E.SAME
+    assert E.choose(n, n // 50, 2) == E.SPARSE  # 2% of bf16: 4.1% of dense
+    assert E.part_size(E.SPARSE, n, n // 50, 2) / (2 * n) < 0.045
+    assert E.choose(n, n // 5, 2) == E.BITMASK
+    assert E.choose(n, n - 1, 2) == E.DENSE
+    assert E.choose(1, 1, 4) == E.DENSE
+
+
+def _malformed(case: str) -> tuple[int, int, torch.Tensor]:
+    """A part for 100 float32 whose header or body cannot be the sender's."""
+    part = torch.zeros(64, dtype=torch.uint8)
+    if case == "counts":  # sparse, 3 changed, its one block's count says 2
+        part[16:20] = torch.tensor([2, 0, 0, 0], dtype=torch.uint8)
+        return E.SPARSE, 3, part[: E.part_size(E.SPARSE, 100, 3, 4)]
+    if case == "position":  # sparse, 1 changed, at position 150 of 100
+        part[8:12] = torch.tensor([1, 0, 0, 0], dtype=torch.uint8)
+        part[16:18] = torch.tensor([150, 0], dtype=torch.uint8)
+        return E.SPARSE, 1, part[: E.part_size(E.SPARSE, 100, 1, 4)]
+    if case == "bits":  # bitmask, 2 changed, 3 bits set
+        part[8] = 0b111
+        return E.BITMASK, 2, part[: E.part_size(E.BITMASK, 100, 2, 4)]
+    if case == "same":  # nothing changed, says one did
+        return E.SAME, 1, part[:0]
+    return 7, 1, part[:8]  # no such encoding
+
+
+@pytest.mark.parametrize(
+    ("case", "why"),
+    [
+        ("counts", "do not add up"),
+        ("position", "names position 150"),
+        ("bits", "3 bits set"),
+        ("same", "encoding"),
+        ("enc", "encoding"),
+    ],
+)
+@pytest.mark.parametrize("compiled", [True, False])
+def test_a_malformed_part_is_refused_before_anything_is_written(case, why, compiled, monkeypatch):
+    monkeypatch.setenv("RESHARD_NUMBA", "1" if compiled else "0")
+    base = torch.arange(100, dtype=torch.float32)
+    enc, k, part = _malformed(case)
+    dst = base.clone()
+    with pytest.raises(ValueError, match=why):
+        E.apply_part(enc, k, part, dst)
+    assert torch.equal(dst, base)
+
+
+def test_the_compiled_kernels_are_used_where_numba_is():
+    from reshard.transport import encoding_jit
+
+    assert encoding_jit.available() == (importlib.util.find_spec("numba") is not None)
+
+
+# -- random layouts, five refits ------------------------------------------------------------
+
+REFITS = 5
+DENSITIES = [0.0, 0.002, 0.05, 0.4, 1.0]
+
+
+@lru_cache(maxsize=512)
+def value(meta: TensorMeta, step: int) -> torch.Tensor:
+    """Tensor ``meta`` at refit ``step``: random bytes, then at each later step a
+    random share of its elements changed (none, a few, many, all)."""
+    if step == 1:
+        return global_tensor(meta)
+    prev = value(meta, step - 1)
+    g = torch.Generator().manual_seed(zlib.crc32(meta.name.encode()) * 7 + step)
+    density = DENSITIES[int(torch.randint(len(DENSITIES), (1,), generator=g))]
+    return _changed(prev.reshape(-1), density, zlib.crc32(meta.name.encode()) + 1000 * step).view(prev.shape)
+
+
+def _box(t: torch.Tensor, box: Box) -> torch.Tensor:
+    return t[tuple(slice(o, o + n) for o, n in zip(box.offsets, box.sizes, strict=True))]
+
+
+def _bits_changed(a: torch.Tensor, b: torch.Tensor) -> int:
+    n = a.numel()
+    if not n:
+        return 0
+    a8, b8 = (x.contiguous().reshape(-1).view(torch.uint8).view(n, -1) for x in (a, b))
+    return int((a8 != b8).any(1).sum())
+
+
+def _predicted_wire_bytes(plan, stats, metas: dict[str, TensorMeta], step: int) -> int:
+    """What a receiver's refit moves, received plus sent: per delta pair, each
+    transfer's encoding (chosen from how many of its elements changed) and 16
+    header bytes; per dense pair (forwards between receivers included), the
+    transfers' bytes."""
+    total = 0
+    for rnd in plan.rounds:
+        for peer, ts in [*rnd.recvs.items(), *rnd.sends.items()]:
+            for t in ts:
+                if peer not in stats.delta_peers:
+                    total += t.nbytes
+                    continue
+                meta = metas[t.tensor]
+                k = _bits_changed(_box(value(meta, step), t.box), _box(value(meta, step - 1), t.box))
+                e = dtype_size(E.wire_dtype(t))
+                total += E.part_size(E.choose(t.box.numel, k, e), t.box.numel, k, e) + 16
+    return total
+
+
+def run_refits(rank: int, port: int, encoded: list[bytes], budget: int) -> list[str]:
+    """One process: play rank ``rank`` in every problem it takes part in, five refits each."""
+    done = []
+    for i, blob in enumerate(encoded):
+        p = msgspec.msgpack.decode(blob, type=dict[str, object])
+        src = msgspec.convert(p["src"], list[Layout])
+        dst = msgspec.convert(p["dst"], list[Layout])
+        domains = msgspec.convert(p["domains"], dict[int, int])
+        if rank not in domains:
+            continue
+        cfg = GroupConfig(
+            address=f"127.0.0.1:{port}",
+            job=f"d{i}",
+            num_sources=len(src),
+            num_destinations=len(dst),
+            timeout_s=60,
+            domain=f"d{domains[rank]}",
+            host_store=False,
+            delta=True,
+        )
+        if rank < len(src):
+            lay = src[rank]
+            items = expand(lay)
+            tensors = make_locals(items, False)
+            s = Sender.from_layout(lay, tensors, config=cfg, budget_bytes=budget)
+            for step in range(1, REFITS + 1):
+                for meta, sl in items:  # the trainer's values change in place
+                    local_view(tensors[sl.local], sl, sl.box).copy_(_box(value(meta, step), sl.box))
+                st = s.push(step)
+                if step == 1:
+                    assert set(st.exec.dense_peers.values()) <= {"first refit"}, st.exec.dense_peers
+                else:
+                    assert not st.exec.dense_peers, (i, step, st.exec.dense_peers)
+            s.close()
+        else:
+            lay = dst[rank - len(src)]
+            items = expand(lay)
+            tensors = make_locals(items, False)
+            metas = {m.name: m for m in lay.tensors}
+            r = Receiver(tensors, config=cfg, rank=rank, layout=lay, budget_bytes=budget)
+            for step in range(1, REFITS + 1):
+                st = r.pull(step).exec
+                for meta, sl in items:
+                    want = _box(value(meta, step), sl.box)
+                    got = local_view(tensors[sl.local], sl, sl.box).contiguous()
+                    assert torch.equal(
+                        got.reshape(-1).view(torch.uint8), want.contiguous().reshape(-1).view(torch.uint8)
+                    ), f"problem {i} refit {step} rank {rank}: {meta.name}{sl.box} differs"
+                if step == 1:
+                    assert set(st.dense_peers.values()) <= {"first refit"}, st.dense_peers
+                    assert st.wire_bytes == st.dense_bytes
+                    continue
+                assert not st.dense_peers, (i, step, st.dense_peers)
+                assert r.session.planner is not None
+                plan = r.session.planner.plan_for(rank)
+                assert st.wire_bytes == _predicted_wire_bytes(plan, st, metas, step), (i, step, rank)
+                if st.delta_peers:
+                    done.append("delta")
+            r.close()
+        done.append(f"p{i}")
+    return done
+
+
+@pytest.mark.slow
+def test_random_layouts_and_sparse_updates_over_five_refits_are_bit_exact_and_sized_as_encoded():
+    found = _collect(30)
+    assert len(found) >= 20
+    blobs = [msgspec.msgpack.encode({"src": p.src, "dst": p.dst, "domains": p.domain_of}) for p in found]
+    world = max(len(p.ranks) for p in found)
+    server = procs.StoreServer()
+    out = procs.check(procs.run(run_refits, world, server.port, blobs, 8192, timeout=600))
+    played = set().union(*map(set, out))
+    assert {f"p{i}" for i in range(len(found))} <= played
+    assert "delta" in played
+
+
+# -- fencing -----------------------------------------------------------------------------------
+
+W = TensorMeta("layers.0.w", (64, 48), "bfloat16")
+B = TensorMeta("layers.0.b", (200_000,), "float32")
+
+
+@lru_cache(maxsize=32)
+def _weights(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The model at refit ``step``: about 3% of the elements change each step."""
+    if step == 1:
+        return global_tensor(W), global_tensor(B)
+    w, b = _weights(step - 1)
+    return _changed(w.reshape(-1), 0.03, step).view(w.shape), _changed(b, 0.03, 100 + step)
+
+
+def _receiver_pieces(j: int, transposed: bool = False) -> tuple[list[PieceSpec], dict[str, torch.Tensor]]:
+    """Engine worker ``j``: columns of ``w`` (stored transposed, if asked), half of ``b``."""
+    cols = Box((0, j * 24), (64, 24))
+    half = Box((j * 100_000,), (100_000,))
+    if transposed:
+        w = PieceSpec(W, cols, "w", (24, 64), dims=(1, 0))
+        wt = torch.zeros(24, 64, dtype=torch.bfloat16)
+    else:
+        w = PieceSpec(W, cols, "w", (64, 24))
+        wt = torch.zeros(64, 24, dtype=torch.bfloat16)
+    return [w, PieceSpec(B, half, "b", (100_000,))], {"w": wt, "b": torch.zeros(100_000)}
+
+
+def _check(tensors: dict[str, torch.Tensor], j: int, step: int, transposed: bool) -> bool:
+    w, b = _weights(step)
+    got_w = tensors["w"].t() if transposed else tensors["w"]
+    return torch.equal(got_w.view(torch.int16), w[:, j * 24 : (j + 1) * 24].view(torch.int16)) and torch.equal(
+        tensors["b"].view(torch.int32), b[j * 100_000 : (j + 1) * 100_000].view(torch.int32)
+    )
+
+
+def _fencing(rank: int, address: str, scenario: str) -> list[dict]:
+    """2 trainer ranks (rows of ``w``, halves of ``b``) and 2 engine workers
+    (columns of ``w``, halves of ``b``), six refits, ``scenario`` striking
+    before refit 3 (see the test)."""
+    cfg = GroupConfig(
+        address=address,
+        num_sources=2,
+        num_destinations=2,
+        timeout_s=60,
+        host_store=False,
+        job=f"fence-{scenario}",
+        delta=True,
+        delta_budget_bytes=300_000 if scenario == "budget" else None,
+        checksums=scenario == "checksums",
+    )
+    out: list[dict] = []
+    if rank < 2:
+        w, b = (t.clone() for t in _weights(1))
+        tw, tb = w[rank * 32 : (rank + 1) * 32].clone(), b[rank * 100_000 : (rank + 1) * 100_000].clone()
+        pieces = [
+            PieceSpec(W, Box((rank * 32, 0), (32, 48)), "w", (32, 48)),
+            PieceSpec(B, Box((rank * 100_000,), (100_000,)), "b", (100_000,)),
+        ]
+        s = Sender.from_pieces(pieces, {"w": tw, "b": tb}, config=cfg, rank=rank)
+        for step in range(1, 7):
+            w, b = _weights(step)
+            tw.copy_(w[rank * 32 : (rank + 1) * 32])
+            tb.copy_(b[rank * 100_000 : (rank + 1) * 100_000])
+            try:
+                st = s.push(step)
+            except Exception as e:
+                out.append({"error": str(e)})
+                continue
+            out.append({"delta": st.exec.delta_peers, "dense": st.exec.dense_peers, "wire": st.exec.wire_bytes})
+        s.close()
+        return out
+    j = rank - 2
+    pieces, tensors = _receiver_pieces(j)
+    transposed = False
+    r = Receiver(tensors, pieces, config=cfg, rank=rank, private_base=scenario == "private")
+    for step in range(1, 7):
+        if step == 3:
+            if scenario == "restart" and rank == 3:
+                r.close()  # a new worker process, with whatever its engine holds
+                r = Receiver(tensors, pieces, config=cfg, rank=rank)
+            if scenario == "layout" and rank == 3:
+                transposed = True
+                pieces, new = _receiver_pieces(j, transposed=True)
+                new["w"].copy_(tensors["w"].t())
+                new["b"].copy_(tensors["b"])
+                tensors = new
+                r.set_layout(build_layout(rank, pieces), tensors)
+            if scenario == "corrupt" and rank == 2:
+                tensors["w"][5, 3] += 1  # row 5: from trainer rank 0
+        fail = None
+        if scenario == "failed" and step == 3 and rank == 2:
+
+            def fail(i: int) -> None:
+                raise RuntimeError(f"the engine failed after round {i}")
+
+        try:
+            st = r.pull(step, after_round=fail).exec
+        except Exception as e:
+            out.append({"error": str(e)})
+            continue
+        out.append(
+            {
+                "ok": _check(tensors, j, step, transposed),
+                "delta": st.delta_peers,
+                "dense": st.dense_peers,
+                "wire": st.wire_bytes,
+                "dense_bytes": st.dense_bytes,
+            }
+        )
+    r.close()
+    return out
+
+
+def _pairs(out: list[list[dict]], step: int) -> dict[tuple[int, int], str]:
+    """Refit ``step``'s pairs as each receiver saw them: ``""`` for a delta, else the reason."""
+    pairs = {}
+    for dst in (2, 3):
+        r = out[dst][step - 1]
+        assert "error" not in r, r
+        assert r["ok"], (dst, step)
+        for src in (0, 1):
+            pairs[(src, dst)] = "" if src in r["delta"] else r["dense"][src]
+    # Both ranks of every pair decided alike.
+    for src in (0, 1):
+        s = out[src][step - 1]
+        for dst in (2, 3):
+            assert ("" if dst in s["delta"] else s["dense"][dst]) == pairs[(src, dst)]
+    return pairs
+
+
+ALL = [(0, 2), (0, 3), (1, 2), (1, 3)]
+
+
+@pytest.mark.parametrize("scenario", ["restart", "layout", "failed", "corrupt", "budget", "checksums", "private"])
+def test_pairs_that_cannot_prove_their_base_move_dense_then_deltas_resume(scenario):
+    server = procs.StoreServer()
+    out = procs.check(procs.run(_fencing, 4, server.address, scenario, reuse=True))
+    first = _pairs(out, 1)
+    assert set(first.values()) == {"first refit"}
+    if scenario == "budget":
+        # A trainer rank sends one worker 1.5 kB of w, the other that and its
+        # 400 kB half of b: only the small one fits a 300 kB snapshot, and
+        # the other pair moves dense at every refit.
+        for step in range(2, 7):
+            pairs = _pairs(out, step)
+            assert [p for p in ALL if not pairs[p]] == [(0, 3), (1, 2)]
+            assert all("snapshot budget" in pairs[p] for p in [(0, 2), (1, 3)])
+        return
+    assert not any(_pairs(out, 2).values())
+    if scenario in ("checksums", "private"):
+        # Every payload is checked like any message; or the receivers' bases
+        # are digested after each refit: nothing to fence, deltas throughout.
+        for step in range(3, 7):
+            assert not any(_pairs(out, step).values())
+        return
+    if scenario == "failed":
+        assert all("error" in out[r][2] for r in range(4))
+        after = _pairs(out, 4)
+        assert all("refit 3 failed here" in why for why in after.values()), after
+        assert not any(_pairs(out, 5).values())
+        return
+    third = _pairs(out, 3)
+    dense = {p: why for p, why in third.items() if why}
+    if scenario == "restart":
+        assert sorted(dense) == [(0, 3), (1, 3)]
+        assert all("rank 3 holds no base of refit 2" in why for why in dense.values())
+    elif scenario == "layout":
+        assert sorted(dense) == [(0, 3), (1, 3)]
+        assert all("its layout changed" in why for why in dense.values())
+    else:  # corrupt: one element of what trainer rank 0 sent worker 2
+        assert sorted(dense) == [(0, 2)]
+        assert "rank 2's base of the slices it gets from rank 0 is not what rank 0 sent" in dense[(0, 2)]
+    for step in (4, 5, 6):
+        assert not any(_pairs(out, step).values())
+        for r in (2, 3):
+            assert out[r][step - 1]["wire"] < out[r][step - 1]["dense_bytes"] / 4
+
+
+# -- the cost model -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("itemsize", [1, 2, 4])
+@pytest.mark.parametrize("changed", [0.0, 0.001, 0.02, 0.1, 0.5, 0.99, 1.0])
+def test_the_cost_models_wire_ratio_is_the_encodings_at_scale(changed, itemsize):
+    from reshard.costmodel.delta import wire_ratio
+
+    n = 1 << 24
+    k = round(changed * n)
+    ours = E.part_size(E.choose(n, k, itemsize), n, k, itemsize) / (n * itemsize)
+    assert wire_ratio(changed, itemsize) == pytest.approx(ours, rel=1e-3, abs=1e-6)
+
+
+def test_reshard_plan_predicts_a_delta_refit_from_a_changed_fraction():
+    from reshard.costmodel.report import plan_report
+
+    kw = dict(model="llama3-8b", trainer="fsdp=8", engine="tp=8,dp=2", cluster="dgx-h100", sample_ranks=[0])
+    dense = plan_report(**kw).data
+    assert "reshard_delta" not in dense
+    few = plan_report(**kw, changed=0.02).data
+    d, r = few["reshard_delta"], few["reshard"]
+    assert d["network_bytes"] < 0.05 * r["network_bytes"]
+    assert d["estimated_seconds"] < 0.35 * r["estimated_seconds"]
+    assert "delta refit at 2% changed" in plan_report(**kw, changed=0.02).table()
+    # Everything changed: dense bytes and their headers, and the compare on top.
+    every = plan_report(**kw, changed=1.0).data["reshard_delta"]
+    assert every["network_bytes"] >= r["network_bytes"]
+    assert every["estimated_seconds"] > r["estimated_seconds"]
+    with pytest.raises(ValueError, match="between 0 and 1"):
+        plan_report(**kw, changed=1.5)
