@@ -1,13 +1,15 @@
 """The package's dependencies point one way (docs/architecture.md):
 
-    errors <- plan <- models, testing <- costmodel, transport <- sender, receiver <- adapters <- tools
+    errors <- plan <- models, testing <- costmodel, transport <- sender, receiver <- adapters
+    <- integrations <- tools
 
 No module imports a package of a later layer or of another package in its
 own layer, no import cycle exists between modules (imports inside functions
 count; ``TYPE_CHECKING`` imports do not), no module imports another
 module's private names, the engine adapters import each other only through
-``adapters.core``, and the pure layers import no engine and no torch at
-module level.
+``adapters.core``, the pure layers import no engine and no torch at
+module level, and the RL framework integrations import no framework and no
+engine at module level.
 """
 
 from __future__ import annotations
@@ -27,7 +29,8 @@ LAYERS = {
     "sender": 4,
     "receiver": 4,
     "adapters": 5,
-    "tools": 6,
+    "integrations": 6,
+    "tools": 7,
 }
 
 
@@ -171,4 +174,24 @@ def test_the_pure_layers_import_no_engine_and_no_torch_at_module_level():
         for imported, _names, top in _imports(path):
             if top and imported.split(".")[0] in heavy:
                 bad.append(f"{mod} imports {imported} at module level")
+    assert not bad, "\n".join(bad)
+
+
+def test_the_integrations_import_no_framework_and_no_engine_at_module_level():
+    """``import reshard.integrations.<framework>`` works without the framework."""
+    modules = _modules()
+    heavy = ("torch", "vllm", "sglang", "megatron", "transformers", "ray", "trl", "verl", "openrlhf")
+    heavy += ("accelerate", "deepspeed")
+    bad = []
+    for mod, path in modules.items():
+        if _package(mod) != "integrations":
+            continue
+        for imported, _names, top in _imports(path):
+            if top and imported.split(".")[0] in heavy:
+                bad.append(f"{mod} imports {imported} at module level")
+            if top and imported in modules and _package(imported) == "adapters":
+                # Adapter modules imported at module level must be light too.
+                for sub, _n, sub_top in _imports(modules[imported]):
+                    if sub_top and sub.split(".")[0] in heavy:
+                        bad.append(f"{mod} imports {imported}, which imports {sub} at module level")
     assert not bad, "\n".join(bad)

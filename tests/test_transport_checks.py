@@ -119,7 +119,7 @@ def test_a_bad_local_tensor_fails_every_rank_at_plan_and_the_next_refit_works(ca
         if case == "dtype" and side == "trainer":
             assert "bfloat16, rank 1 says shape" in r["first"] and r["first"].endswith("float32"), r["first"]
         assert "model.w" in r["first"]
-        assert r["seconds"] < 10, r  # agreed at the plan step, not at the 30 s timeout
+        assert r["seconds"] < 25, r  # agreed at the plan step, not at the 30 s timeout
     for r in results[2:]:
         assert r["untouched"], r
         assert r["exact"], r
@@ -240,7 +240,7 @@ def test_a_rank_with_another_role_split_is_refused_at_join():
         assert "ranks disagree on the group's role split" in r["error"], r["error"]
         assert "2 sources + 2 destinations on rank(s) 0-2" in r["error"], r["error"]
         assert "3 sources + 1 destinations on rank(s) 3" in r["error"], r["error"]
-        assert r["seconds"] < 10
+        assert r["seconds"] < 25  # at the join, not at the 30 s timeout
         assert r["untouched"]
 
 

@@ -106,7 +106,7 @@ def test_a_peer_that_never_joins_fails_every_rank_within_the_timeout():
     for r in results:
         assert r["step"] == "join"
         assert "rank(s) [2] did not join the refit group" in r["error"]
-        assert r["seconds"] < 3 + 5
+        assert r["seconds"] < 3 + 15  # the 3 s timeout, generous on a busy machine
 
 
 def _dies_mid_transfer(rank: int, address: str) -> dict:

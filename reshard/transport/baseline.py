@@ -24,7 +24,8 @@ from reshard.plan.box import Box
 from reshard.plan.index import LayoutSet
 from reshard.plan.layout import Slot, TensorMeta
 from reshard.transport import wire
-from reshard.transport.execute import DEFAULT_BUDGET_BYTES, ExecStats, align, local_view
+from reshard.transport.messages import DEFAULT_BUDGET_BYTES, align, local_view
+from reshard.transport.stats import ExecStats
 
 if TYPE_CHECKING:
     import torch
@@ -160,7 +161,7 @@ def gather_broadcast(
                 assert buf is not None
                 pg = pgs.get(root)
                 if pg is None:
-                    pg = pgs[root] = _broadcast_group(group, root, engines)
+                    pg = pgs[root] = _broadcast_group(group, root, engines, device)
                 opts = BroadcastOptions()
                 opts.rootRank = 0
                 pg.broadcast([buf], opts).wait()  # type: ignore[attr-defined]
@@ -168,7 +169,7 @@ def gather_broadcast(
                 if not is_source:
                     stats.bytes_received += payload
                     stats.messages_received += 1
-                    _unpack(tensors, items, buf, dst_mine)
+                    stats.bytes_landed += _unpack(tensors, items, buf, dst_mine)
                 elif rank == root:
                     stats.bytes_sent += payload * len(engines)
             stats.rounds += 1
@@ -177,6 +178,7 @@ def gather_broadcast(
         group.signal_abort(refit, error)
     stats.seconds = time.perf_counter() - t0
     group.agree("transfer", refit, wire.Status(rank=rank, step="transfer", refit=refit, ok=not error, error=error))
+    stats.dense_bytes = stats.wire_bytes = stats.bytes_sent + stats.bytes_received
     return stats
 
 
@@ -234,7 +236,8 @@ def _gather(
             stats.bytes_received += tmp.numel() * tmp.element_size()
 
 
-def _broadcast_group(group: RefitGroup, root: int, engines: list[int]) -> object:
+def _broadcast_group(group: RefitGroup, root: int, engines: list[int], device) -> object:
+    import contextlib
     import datetime
 
     from torch.distributed import PrefixStore, ProcessGroupGloo
@@ -249,15 +252,22 @@ def _broadcast_group(group: RefitGroup, root: int, engines: list[int]) -> object
         return ProcessGroupGloo(store, members.index(group.rank), len(members), opts)
     from torch.distributed import ProcessGroupNCCL
 
-    opts = ProcessGroupNCCL.Options()
-    opts._timeout = timeout
-    return ProcessGroupNCCL(store, members.index(group.rank), len(members), opts)
+    nopts = ProcessGroupNCCL.Options()
+    nopts._timeout = timeout
+    env = group.config.pg_env() if group.config.pg_env is not None else contextlib.nullcontext()
+    with env:
+        # The communicator is built now, inside ``pg_env`` (see GroupConfig).
+        pg = ProcessGroupNCCL(store, members.index(group.rank), len(members), nopts)
+        pg.eager_connect_single_device(device)
+    return pg
 
 
-def _unpack(tensors: Mapping, items: list[_Item], buf, dst_mine: dict[str, list[Slot]]) -> None:
-    """Keep the slices this engine worker needs; drop the rest of the bucket."""
+def _unpack(tensors: Mapping, items: list[_Item], buf, dst_mine: dict[str, list[Slot]]) -> int:
+    """Keep the slices this engine worker needs; drop the rest of the bucket.
+    Returns the bytes kept, in the local tensors' dtypes."""
     import torch
 
+    landed = 0
     for it in items:
         box = it.box
         dtype = getattr(torch, it.meta.dtype)
@@ -271,4 +281,7 @@ def _unpack(tensors: Mapping, items: list[_Item], buf, dst_mine: dict[str, list[
             src = whole[
                 tuple(slice(o - b, o - b + n) for o, b, n in zip(part.offsets, box.offsets, part.sizes, strict=True))
             ]
-            local_view(tensors[s.local], s, part).copy_(src)
+            dst = local_view(tensors[s.local], s, part)
+            dst.copy_(src)
+            landed += dst.numel() * dst.element_size()
+    return landed

@@ -38,11 +38,9 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import ipaddress
 import logging
 import os
 import socket
-import threading
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -51,6 +49,9 @@ from typing import TYPE_CHECKING, Any
 from reshard.errors import MetadataError, RefitError, span
 from reshard.transport import wire
 from reshard.transport.auth import JobKeys, job_keys
+from reshard.transport.config import GroupConfig
+from reshard.transport.messages import BIG_BYTES
+from reshard.transport.store import connect_store, serve_store
 
 if TYPE_CHECKING:
     import torch
@@ -69,216 +70,6 @@ _WATCH_S = 0.1
 ABORT_GRACE_S = 10.0
 """After an abort, how long an agreement waits for the other ranks' statuses."""
 _SEAL_OVERHEAD = 64
-
-
-@dataclass(kw_only=True, slots=True)
-class GroupConfig:
-    """How to reach the other ranks of a refit."""
-
-    address: str
-    """``host:port`` of the TCPStore (hosted by refit rank 0 unless ``host_store`` says otherwise)."""
-    num_sources: int
-    """Trainer ranks in the refit (refit ranks ``0 .. num_sources - 1``)."""
-    num_destinations: int
-    """Engine worker ranks (refit ranks ``num_sources ..``)."""
-    job: str = "reshard"
-    """Name that keeps this job's keys apart from other users of the store."""
-    generation: int = 0
-    """A fresh namespace on the store; groups are also rebuilt automatically
-    after a failure (epochs), so bumping it is never required."""
-    timeout_s: float = 300.0
-    """Bound on every wait: joining, agreeing on a step, each transfer round."""
-    backend: str = "auto"
-    """``gloo``, ``nccl``, or ``auto`` (NCCL for CUDA tensors, gloo otherwise)."""
-    host_store: bool | None = None
-    """Host the TCPStore in this process; ``None``: refit rank 0 hosts it."""
-    domain: str | None = None
-    """This rank's fast-fabric domain label; ``None``: ``$RESHARD_DOMAIN``, else the hostname."""
-    token: str | None = field(default=None, repr=False)
-    """Shared secret of the job; ``None``: ``$RESHARD_TOKEN``, else no token.
-    Ranks with different tokens refuse each other (see ``docs/security.md``)."""
-    checksums: bool = False
-    """Verify every message of a refit with a checksum (every rank must agree)."""
-    store_bind: str | None = None
-    """Address the store hosted by this process listens on. ``None``: the
-    host of ``address``; ``"0.0.0.0"`` or ``"::"``: every interface."""
-    max_metadata_bytes: int = wire.MAX_MESSAGE_BYTES
-    """Largest metadata message (layout, table, status) a rank accepts."""
-    shared_memory: bool = False
-    """Move bytes through shared memory (``/dev/shm``) to and from ranks on
-    the same host that say so too, when both hold CPU tensors; other peers
-    keep the process group (:mod:`reshard.transport.shm`). With CUDA
-    tensors: receivers on the same host that see a sender's GPU read its
-    tensors directly by CUDA IPC (:mod:`reshard.transport.ipc`)."""
-    shm_host: str | None = None
-    """This rank's host label for shared-memory links; ``None``: the machine
-    and its ``/dev/shm`` mount (:func:`reshard.transport.shm.host_id`).
-    Ranks with different labels never share memory."""
-    export_sources: bool = False
-    """A source rank with ``shared_memory``: move its CPU source tensors'
-    storage into shared memory once (in place) so that colocated receivers
-    copy their slices straight out of it, one copy per byte instead of two
-    (:mod:`reshard.transport.shm`). The trainer's tensors stay where they
-    are as Python objects; only their bytes live in ``/dev/shm`` from then on.
-    (CUDA tensors need no move: ``shared_memory`` alone exports them.)"""
-
-    def __post_init__(self) -> None:
-        host, sep, port = self.address.rpartition(":")
-        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-            raise ValueError(f"refit address {self.address!r} is not host:port")
-        if self.num_sources < 1 or self.num_destinations < 1:
-            raise ValueError(
-                f"a refit needs at least one source and one destination rank, got "
-                f"{self.num_sources} and {self.num_destinations}"
-            )
-        if self.timeout_s <= 0:
-            raise ValueError(f"timeout_s must be positive, got {self.timeout_s}")
-        if self.backend not in ("auto", "gloo", "nccl"):
-            raise ValueError(f"backend must be auto, gloo or nccl, got {self.backend!r}")
-        if not self.job or "/" in self.job:
-            raise ValueError(f"job name {self.job!r} must be non-empty and contain no '/'")
-        if self.export_sources and not self.shared_memory:
-            raise ValueError("export_sources needs shared_memory=True")
-        if self.generation < 0:
-            raise ValueError(f"generation must be >= 0, got {self.generation}")
-        if self.token is None:
-            self.token = os.environ.get("RESHARD_TOKEN") or None
-        elif not isinstance(self.token, str) or not self.token:
-            raise ValueError("token must be a non-empty string, or None to read $RESHARD_TOKEN")
-        if self.max_metadata_bytes <= 0:
-            raise ValueError(f"max_metadata_bytes must be positive, got {self.max_metadata_bytes}")
-
-    @property
-    def world_size(self) -> int:
-        return self.num_sources + self.num_destinations
-
-    @property
-    def host(self) -> str:
-        return self.address.rpartition(":")[0]
-
-    @property
-    def port(self) -> int:
-        return int(self.address.rpartition(":")[2])
-
-
-# -- the store ------------------------------------------------------------------
-
-_SERVERS: dict[int, Any] = {}
-_SERVERS_LOCK = threading.Lock()
-
-
-def serve_store(config: GroupConfig) -> Any:
-    """The TCPStore server for ``config.address`` hosted by this process.
-
-    Created once per port and kept for the life of the process, so a group
-    rebuilt after a failure (or a new generation) reuses it. It listens on
-    ``config.store_bind`` (default: the address's host) only: torch's
-    ``TCPStore(host, port, is_master=True)`` listens on every interface
-    whatever ``host`` says, so reshard binds the socket itself and hands it
-    over (``master_listen_fd``).
-    """
-    import torch.distributed as dist
-
-    with _SERVERS_LOCK:
-        server = _SERVERS.get(config.port)
-        if server is not None:
-            return server
-        timeout = datetime.timedelta(seconds=config.timeout_s)
-        bind = _bind_host(config)
-        if bind is None:
-            server = dist.TCPStore(
-                config.host, config.port, None, True, timeout=timeout, wait_for_workers=False, use_libuv=True
-            )
-        else:
-            info = socket.getaddrinfo(bind, config.port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
-            sock = socket.socket(info[0], socket.SOCK_STREAM)
-            try:
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-                sock.bind(info[4])
-                sock.listen(2048)
-            except OSError:
-                sock.close()
-                raise
-            fd = sock.detach()  # the store owns (and closes) the socket from here on
-            try:
-                server = dist.TCPStore(
-                    config.host,
-                    config.port,
-                    None,
-                    True,
-                    timeout=timeout,
-                    wait_for_workers=False,
-                    master_listen_fd=fd,
-                    use_libuv=True,
-                )
-            except Exception:
-                os.close(fd)
-                raise
-        _SERVERS[config.port] = server
-        return server
-
-
-def _bind_host(config: GroupConfig) -> str | None:
-    """The address the hosted store listens on; ``None``: every interface."""
-    bind = config.store_bind
-    if bind is not None:
-        return None if bind in ("", "0.0.0.0", "::", "*") else bind
-    host = config.host
-    try:
-        literal = ipaddress.ip_address(host)
-    except ValueError:
-        literal = None
-    if literal is not None:
-        return None if literal.is_unspecified else host
-    addr = str(socket.getaddrinfo(host, config.port, type=socket.SOCK_STREAM)[0][4][0])
-    if ipaddress.ip_address(addr).is_loopback and host != "localhost":
-        # A hostname that resolves to loopback here (Debian's 127.0.1.1 entry)
-        # may be how other hosts reach this one through DNS: binding to it
-        # would lock them out. Listen everywhere, as torch does, and say so.
-        log.warning(
-            "refit store: %s resolves to %s on this host; listening on every interface "
-            "(set GroupConfig.store_bind to choose)",
-            host,
-            addr,
-        )
-        return None
-    return addr
-
-
-def _connect(config: GroupConfig, rank: int) -> Any:
-    from torch.distributed import TCPStore
-
-    host_store = config.host_store if config.host_store is not None else rank == 0
-    try:
-        if host_store:
-            return serve_store(config)
-        # TCPStore's own connect retries can take twice its timeout: probe the
-        # port first, within the timeout, and give the store what is left.
-        deadline = time.monotonic() + config.timeout_s
-        while True:
-            try:
-                with socket.create_connection((config.host, config.port), timeout=1.0):
-                    break
-            except OSError:
-                if time.monotonic() + 0.1 >= deadline:
-                    raise
-                time.sleep(0.1)
-        store = TCPStore(
-            config.host,
-            config.port,
-            None,
-            False,
-            timeout=datetime.timedelta(seconds=max(1.0, deadline - time.monotonic())),
-            wait_for_workers=False,
-            use_libuv=True,
-        )
-        store.set_timeout(datetime.timedelta(seconds=config.timeout_s))
-        return store
-    except Exception as e:
-        what = "host" if host_store else "reach"
-        raise RefitError(
-            "join", {rank: f"cannot {what} the refit store at {config.address} within {config.timeout_s}s: {e}"}
-        ) from e
 
 
 class EpochMoved(RefitError):
@@ -348,7 +139,7 @@ class RefitGroup:
         timeout = datetime.timedelta(seconds=config.timeout_s)
         keys = job_keys(config.token, config.job, config.generation)
         deadline = time.monotonic() + config.timeout_s
-        tcp = _connect(config, rank)
+        tcp = connect_store(config, rank)
         domain = config.domain or os.environ.get("RESHARD_DOMAIN") or socket.gethostname()
         shm_host = ipc_host = gpu = ""
         gpus: tuple[str, ...] = ()
@@ -383,6 +174,7 @@ class RefitGroup:
             gpu=gpu,
             gpus=gpus,
             ipc_host=ipc_host,
+            delta=config.delta,
         )
         hello_keys = [f"hello/{r}" for r in range(config.world_size)]
         try:
@@ -485,6 +277,7 @@ class RefitGroup:
             lambda h: f"{h.num_sources} sources + {h.num_destinations} destinations" if h.num_sources else "(not said)",
         )
         differ("GroupConfig.checksums", lambda h: "on" if h.checksums else "off")
+        differ("GroupConfig.delta", lambda h: "on" if h.delta else "off")
         for r, h in self.hellos.items():
             expect = "source" if r < self.config.num_sources else "destination"
             if h.role != expect:
@@ -498,8 +291,6 @@ class RefitGroup:
         staging budget (ranks that said nothing take the defaults)."""
         rounds = [h.round_bytes for h in self.hellos.values() if h.round_bytes > 0]
         bigs = [h.big_bytes for h in self.hellos.values() if h.big_bytes > 0]
-        from reshard.transport.execute import BIG_BYTES
-
         return (
             min(rounds) if rounds else 0,
             min(bigs) if bigs else BIG_BYTES,
@@ -511,22 +302,25 @@ class RefitGroup:
 
         pg_store = PrefixStore("pg", self.store)
         world = self.config.world_size
+        env = self.config.pg_env() if self.config.pg_env is not None else contextlib.nullcontext()
         try:
-            if self.backend == "gloo":
-                from torch.distributed import ProcessGroupGloo
+            with env:
+                if self.backend == "gloo":
+                    from torch.distributed import ProcessGroupGloo
 
-                opts = ProcessGroupGloo._Options()  # type: ignore[attr-defined]
-                opts._timeout = timeout
-                opts._devices = [ProcessGroupGloo.create_default_device()]
-                return ProcessGroupGloo(pg_store, self.rank, world, opts)
-            from torch.distributed import ProcessGroupNCCL
+                    opts = ProcessGroupGloo._Options()  # type: ignore[attr-defined]
+                    opts._timeout = timeout
+                    opts._devices = [ProcessGroupGloo.create_default_device()]
+                    return ProcessGroupGloo(pg_store, self.rank, world, opts)
+                from torch.distributed import ProcessGroupNCCL
 
-            opts = ProcessGroupNCCL.Options()
-            opts._timeout = timeout
-            pg = ProcessGroupNCCL(pg_store, self.rank, world, opts)
-            # One communicator for the whole group (not one per pair of ranks).
-            pg.eager_connect_single_device(dev)
-            return pg
+                nopts = ProcessGroupNCCL.Options()
+                nopts._timeout = timeout
+                pg = ProcessGroupNCCL(pg_store, self.rank, world, nopts)
+                # One communicator for the whole group (not one per pair of
+                # ranks), built now, inside ``pg_env``.
+                pg.eager_connect_single_device(dev)
+                return pg
         except Exception as e:
             raise RefitError("join", {self.rank: f"building the {self.backend} process group failed: {e}"}) from e
 

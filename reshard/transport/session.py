@@ -32,7 +32,6 @@ Shared by :class:`reshard.Sender` (trainer ranks) and
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import time
 from collections import OrderedDict
@@ -49,21 +48,14 @@ from reshard.plan.planner import Planner
 from reshard.plan.rounds import DEFAULT_ROUND_BYTES
 from reshard.transport import wire
 from reshard.transport.baseline import gather_broadcast
-from reshard.transport.execute import (
-    BIG_BYTES,
-    DEFAULT_BUDGET_BYTES,
-    ExecStats,
-    Executor,
-    link_summary,
-    no_wire_text,
-    staging_need,
-    wire_transfers,
-    without_direct,
-)
+from reshard.transport.delta import DeltaRun, DeltaState, capable_pairs, pair_reason
+from reshard.transport.execute import Executor
+from reshard.transport.exports import SessionExports
 from reshard.transport.group import ABORT_GRACE_S, EpochMoved, GroupConfig, RefitGroup
-from reshard.transport.ipc import CudaExporter
+from reshard.transport.links import no_wire_problems
+from reshard.transport.messages import BIG_BYTES, DEFAULT_BUDGET_BYTES, check_links, link_summary, staging_bound
 from reshard.transport.progress import Progress, wants_progress
-from reshard.transport.shm import Exporter
+from reshard.transport.stats import ExecStats, RefitStats
 
 if TYPE_CHECKING:
     import torch
@@ -78,46 +70,6 @@ _REJOINS = 4
 """Rebuilds a refit follows before giving up (each is another rank's rejoin)."""
 _PLANS_KEPT = 4
 """Plans a session keeps, keyed by what they were planned from."""
-
-
-@dataclass(slots=True)
-class RefitStats:
-    """One rank's account of one refit."""
-
-    refit: int
-    rank: int
-    exec: ExecStats
-    plan_seconds: float
-    agree_seconds: float
-    total_seconds: float
-    round_bytes: int
-    started_at: float = 0.0
-    """Wall clock (``time.time()``) when this rank entered the refit."""
-    finished_at: float = 0.0
-
-    def summary(self) -> str:
-        """One line: what this rank moved, how fast, where the time went."""
-        ex = self.exec
-        moved = max(ex.bytes_sent, ex.bytes_received)
-        return (
-            f"refit {self.refit} rank {self.rank}: sent {ex.bytes_sent / 1e6:.1f} MB, received "
-            f"{ex.bytes_received / 1e6:.1f} MB in {self.total_seconds:.3f} s "
-            f"({moved / max(self.total_seconds, 1e-9) / 1e9:.2f} GB/s; plan {self.plan_seconds:.3f} s, "
-            f"agree {self.agree_seconds:.3f} s, transfer {ex.seconds:.3f} s, {ex.rounds} rounds)"
-        )
-
-    def as_dict(self) -> dict:
-        d = self.exec.as_dict()
-        d.update(
-            refit=self.refit,
-            plan_seconds=self.plan_seconds,
-            agree_seconds=self.agree_seconds,
-            total_seconds=self.total_seconds,
-            round_bytes=self.round_bytes,
-            started_at=self.started_at,
-            finished_at=self.finished_at,
-        )
-        return d
 
 
 class RefitSession:
@@ -178,9 +130,13 @@ class RefitSession:
         """Plans this session computed (the others came from its cache)."""
         self.broadcast_groups: dict[int, object] = {}
         """The baseline's broadcast groups (one per root), as long as the refit group lives."""
-        self._exporter: Exporter | CudaExporter | None = None
-        self._exports_published: tuple[int, str] = (-1, "")
-        self._exports_read: dict[int, tuple[str, dict[str, wire.Export]]] = {}
+        self.exports = SessionExports(rank, is_source=self.is_source)
+        """What this rank publishes (a source) or reads (a destination) for direct reads."""
+        self.delta = DeltaState(budget_bytes=config.delta_budget_bytes)
+        """Delta refits (``GroupConfig.delta``): what this rank's snapshot or
+        tensors hold, and since when (:mod:`reshard.transport.delta`)."""
+        self._newest = 0
+        """The group's last successful refit, as the ``enter`` step found it."""
 
     @property
     def is_source(self) -> bool:
@@ -201,6 +157,7 @@ class RefitSession:
             return False
         self.layout = layout
         self._digest = digest
+        self.delta.void("its layout changed")
         return True
 
     # -- 1. connect ----------------------------------------------------------
@@ -395,6 +352,7 @@ class RefitSession:
             )
             raise RefitError("version", dict.fromkeys(range(self.config.world_size), text), agreed=True)
         newest = max(s.last_refit for s in statuses)
+        self._newest = newest
         if refit <= newest:
             holders = [s.rank for s in statuses if s.last_refit == newest]
             text = (
@@ -412,18 +370,23 @@ class RefitSession:
         destinations: Mapping[str, torch.Tensor] | None = None,
         after_round: Callable[[int], None] | None = None,
         before_transfer: Callable[[RankPlan], None] | None = None,
+        touched: set[str] | None = None,
     ) -> RefitStats:
-        """Run refit number ``refit`` (see the module docstring)."""
+        """Run refit number ``refit`` (see the module docstring). ``touched``
+        (``GroupConfig.delta``, a destination): a set the local tensors whose
+        values changed join as rounds complete (before ``after_round``)."""
         t0 = time.perf_counter()
         started_at = time.time()
         try:
-            return self._refit(refit, destinations, after_round, before_transfer, t0, started_at)
+            return self._refit(refit, destinations, after_round, before_transfer, t0, started_at, touched)
         except RefitError as e:
+            self.delta.void(f"refit {refit} failed here at step {e.step!r}")
             if e.step == "transfer" or not e.agreed:
                 # The group may be half-used (or a peer is gone): never reuse it.
                 self._drop()
             raise
-        except BaseException:
+        except BaseException as e:
+            self.delta.void(f"refit {refit} failed here ({type(e).__name__})")
             self._drop()
             raise
         finally:
@@ -439,23 +402,30 @@ class RefitSession:
             return []
         return check_locals(self.layout, tensors, role="source" if self.is_source else "destination")
 
-    def _refit(self, refit, destinations, after_round, before_transfer, t0: float, started_at: float) -> RefitStats:
+    def _refit(
+        self, refit, destinations, after_round, before_transfer, t0: float, started_at: float, touched=None
+    ) -> RefitStats:
         group = self._enter(refit)
         agree_s = time.perf_counter() - t0
         local = self._local_problems(destinations)
-        exports, exports_digest = self._exports(group)
+        exports, exports_digest = self.exports.publish(
+            group, self.config, self.tensors, self.device, lambda: self._planned()[0]
+        )
         # a/b. plan and agree; shrink rounds until every rank's staging fits its budget.
         for attempt in range(_PLAN_ATTEMPTS):
             step = "plan" if attempt == 0 else f"plan.{attempt}"
             problems: tuple[Problem, ...] = tuple(local)
             need = 0
             links: tuple[dict, dict] = ({}, {})
+            delta_fields: dict = {}
             try:
                 plan, links = self._planned()
-                need = staging_need(plan, self.big_bytes)
+                capable = capable_pairs(group, plan)
+                need = staging_bound(plan, self.big_bytes, frozenset(capable))
+                if group.config.delta:
+                    delta_fields = self._delta_status(group, plan, destinations)
                 if group.no_wire:
-                    refused = self._exporter.refused if self._exporter is not None else ""
-                    problems += _no_wire_problems(group, plan, exports, refused)
+                    problems += no_wire_problems(group, plan, exports, self.exports.refused)
             except PlanError as e:
                 problems += tuple(e.problems)
             except Exception as e:
@@ -473,6 +443,7 @@ class RefitSession:
                 sends=links[0],
                 recvs=links[1],
                 exports=exports_digest,
+                **delta_fields,
             )
             ta = time.perf_counter()
             statuses = group.agree(step, refit, status)
@@ -491,9 +462,13 @@ class RefitSession:
                 )
                 raise RefitError("plan", dict.fromkeys(over, text), version=refit, agreed=True)
             self._replan(shrunk)
-        _check_links(statuses, refit)
+        check_links(statuses, refit)
         plan_s = time.perf_counter() - t0 - agree_s
         plan = self._planned()[0]
+        delta = self._delta_run(group, plan, statuses) if group.config.delta else None
+        if delta is not None and touched is not None:
+            delta.touched = touched
+        delta_dests = self._delta_tensors(destinations) if delta is not None else None
         # c. execute.
         ex_stats: ExecStats | None = None
         error = ""
@@ -503,7 +478,7 @@ class RefitSession:
         try:
             if before_transfer is not None:
                 before_transfer(plan)
-            exported = self._exported(group, statuses, exports)
+            exported = self.exports.needed(group, statuses, exports)
             ex = Executor(
                 group,
                 plan,
@@ -516,6 +491,7 @@ class RefitSession:
                 refit=refit,
                 checksums=self.config.checksums,
                 exports=exported,
+                delta=delta,
             )
             ex_stats = ex.run()
         except RefitError as e:
@@ -539,6 +515,12 @@ class RefitSession:
         )
         agree_s += time.perf_counter() - ta
         self.last_refit = refit
+        if group.config.delta:
+            self.delta.base, self.delta.note = refit, ""
+            if self.delta.snapshots is not None:
+                self.delta.snapshots.digest_later()
+            elif self.delta.private and delta_dests is not None:
+                self.delta.digest_later(group, plan, delta_dests)
         group.forget(group.seq - 1, ("enter", "plan", "transfer"))
         assert ex_stats is not None
         return RefitStats(
@@ -551,93 +533,41 @@ class RefitSession:
             round_bytes=self.round_bytes,
             started_at=started_at,
             finished_at=time.time(),
+            touched=frozenset(delta.touched) if delta is not None and not self.is_source else None,
         )
 
-    def _exports(self, group: RefitGroup) -> tuple[tuple[wire.Export, ...], str]:
-        """A source rank's tensors for the colocated receivers to read
-        directly, and their digest: in shared memory
-        (``GroupConfig.export_sources``), or on a GPU by CUDA IPC
-        (``shared_memory``); empty otherwise. Published under
-        ``exports/<rank>/<digest>`` once per change, so a plan status carries
-        only the digest."""
-        if not (self.config.shared_memory and self.is_source):
-            return (), ""
-        cuda = group.hellos[self.rank].ipc_host != ""
-        if cuda:
-            readers = self._ipc_readers(group)
-            if not readers:
-                return (), ""
-            import torch
+    def _delta_tensors(self, destinations: Mapping[str, torch.Tensor] | None) -> Mapping[str, torch.Tensor] | None:
+        """A destination's base: the tensors this refit writes (``None``: a source, or materialized lazily)."""
+        if self.is_source or (destinations is None and self.lazy):
+            return None
+        return destinations if destinations is not None else self.tensors
 
-            # Receivers copy once the plan is agreed: whatever the trainer
-            # queued on this GPU (its optimizer step) must have landed.
-            torch.cuda.synchronize(self.device)
-            if not isinstance(self._exporter, CudaExporter):
-                self._exporter = CudaExporter()
-            before = self._exporter.refused
-            out = self._exporter.exports(self.tensors, readers, epoch=group.epoch)
-            where = "for CUDA IPC"
-        else:
-            if not self.config.export_sources:
-                return (), ""
-            destinations = range(self.config.num_sources, self.config.world_size)
-            if not any(group.direct_link(self.rank, r) == "shm" for r in destinations):
-                return (), ""
-            if not isinstance(self._exporter, Exporter):
-                self._exporter = Exporter()
-            before = self._exporter.refused
-            out = self._exporter.exports(self.tensors)
-            where = "to shared memory"
-        if self._exporter.refused and self._exporter.refused != before:
-            log.warning("rank %d: source tensors not exported %s: %s", self.rank, where, self._exporter.refused)
-        if not out:
-            return (), ""
-        msg = wire.Exports(rank=self.rank, exports=out)
-        digest = hashlib.blake2b(wire.encode(msg), digest_size=12).hexdigest()
-        key = f"exports/{self.rank}/{digest}"
-        if (group.epoch, key) != self._exports_published:
-            group.put(key, msg, step="plan")
-            self._exports_published = (group.epoch, key)
-        return out, digest
+    def _delta_status(self, group: RefitGroup, plan: RankPlan, destinations: Mapping[str, torch.Tensor] | None) -> dict:
+        """This rank's delta fields of its plan status (see :mod:`reshard.transport.delta`)."""
+        base, note, digests, notes = self.delta.status(group, plan, self._delta_tensors(destinations))
+        return {"delta_base": base, "delta_note": note, "delta_digests": digests, "delta_notes": notes}
 
-    def _ipc_readers(self, group: RefitGroup) -> dict[str, set[int]]:
-        """Per local tensor of this source rank, the destinations that read
-        some of it by CUDA IPC (from the plan; none when it cannot be planned,
-        and the plan step says why)."""
-        try:
-            plan = self._planned()[0]
-        except Exception:  # the plan step plans again, and says why on every rank
-            return {}
-        readers: dict[str, set[int]] = {}
-        for rnd in plan.rounds:
-            for peer, ts in rnd.sends.items():
-                if group.direct_link(self.rank, peer) != "ipc":
-                    continue
-                for t in ts:
-                    if t.kind != "fwd":
-                        readers.setdefault(t.src.local, set()).add(peer)
-        return readers
-
-    def _exported(
-        self, group: RefitGroup, statuses: list[wire.Status], mine: tuple[wire.Export, ...]
-    ) -> dict[int, dict[str, wire.Export]]:
-        """Per source rank, the exports this rank's executor needs: a source
-        its own; a destination those of the sources it shares memory with
-        (read from the store when their digest is new to it)."""
-        if self.is_source:
-            return {self.rank: {e.local: e for e in mine}} if mine else {}
-        wanted = {s.rank: s.exports for s in statuses if s.exports and group.direct_link(s.rank, self.rank)}
-        missing = [(r, d) for r, d in wanted.items() if self._exports_read.get(r, ("", None))[0] != d]
-        if missing:
-            got = group.get_many([f"exports/{r}/{d}" for r, d in missing], wire.Exports, step="transfer")
-            for (r, d), msg in zip(missing, got, strict=True):
-                assert isinstance(msg, wire.Exports)
-                if msg.rank != r:
-                    raise RefitError("transfer", {self.rank: f"exports/{r}/{d} holds rank {msg.rank}'s exports"})
-                self._exports_read[r] = (d, {e.local: e for e in msg.exports})
-        out = {r: self._exports_read[r][1] for r in wanted}
-        group.retain_exports({r: es.values() for r, es in out.items()})
-        return out
+    def _delta_run(self, group: RefitGroup, plan: RankPlan, statuses: list[wire.Status]) -> DeltaRun:
+        """Which of this rank's pairs move deltas this refit: the same decision
+        on both ranks of every pair, from the agreed statuses."""
+        by_rank = {s.rank: s for s in statuses}
+        peers: set[int] = set()
+        dense: dict[int, str] = {}
+        for peer in capable_pairs(group, plan):
+            src, dst = (self.rank, peer) if self.is_source else (peer, self.rank)
+            why = pair_reason(by_rank, src, dst, self._newest)
+            if why:
+                dense[peer] = why
+            else:
+                peers.add(peer)
+        if dense:
+            log.info(
+                "refit rank %d: dense refit with rank(s) %s: %s",
+                self.rank,
+                span(sorted(dense)),
+                next(iter(dense.values())),
+            )
+        return DeltaRun(frozenset(peers), dense, self.delta.snapshots if self.is_source else None)
 
     def cancel(self, reason: str | None) -> None:
         """Make the refit in progress (or the next one) fail at once on this
@@ -681,6 +611,8 @@ class RefitSession:
             raise
         finally:
             self._cancelled = None
+            # Gather-and-broadcast leaves snapshots behind what receivers hold.
+            self.delta.void(f"refit {refit} was a gather-and-broadcast")
         self.last_refit = refit
         return RefitStats(
             refit=refit,
@@ -729,49 +661,3 @@ class _Planned:
     planner: Planner
     plan: RankPlan | None = None
     links: tuple[dict, dict] = ({}, {})
-
-
-def _no_wire_problems(
-    group: RefitGroup, plan: RankPlan, exports: tuple[wire.Export, ...], refused: str = ""
-) -> tuple[Problem, ...]:
-    """On a group without a process group (ranks share a GPU), what this
-    rank's plan would send over one: every byte must be read directly.
-    Each rank checks its own sends (a source with its exports, a leader its
-    forwards), so the refit is refused at the plan step, before any byte
-    moves. ``refused``: why this source exported less than its tensors."""
-    mine = {group.rank: {e.local: e for e in exports}} if exports else {}
-    wired = wire_transfers(without_direct(group, plan, mine), sends_only=True)
-    if not wired:
-        return ()
-    peers = tuple(sorted({group.rank} | {peer for _, peer, _ in wired}))
-    text = no_wire_text(group, wired)
-    if refused:
-        text += f"; rank {group.rank} did not export: {refused}"
-    return (Problem(kind="link", message=text, tensor=wired[0][2].tensor, ranks=peers),)
-
-
-def _check_links(statuses: list[wire.Status], refit: int) -> None:
-    """Every message a plan sends is one its receiver's plan expects, with the
-    same size (checked by every rank on the same statuses, before any byte
-    moves: a receive never gets fewer or more bytes than it posted)."""
-    by_rank = {s.rank: s for s in statuses}
-    bad: dict[int, str] = {}
-    for s in statuses:
-        for peer in sorted(set(s.sends) | {r for r, o in by_rank.items() if s.rank in o.recvs}):
-            mine = s.sends.get(peer)
-            other = by_rank.get(peer)
-            theirs = other.recvs.get(s.rank) if other is not None else None
-            if mine == theirs:
-                continue
-            sent = f"{mine[0]} message(s), {mine[1]} bytes" if mine else "nothing"
-            expected = f"{theirs[0]} message(s), {theirs[1]} bytes" if theirs else "nothing"
-            if mine and theirs and mine[:2] == theirs[:2]:
-                expected += " of other slices"
-            text = (
-                f"rank {s.rank}'s plan sends rank {peer} {sent}, rank {peer}'s plan expects {expected}: the ranks "
-                "planned from different inputs (nothing was sent)"
-            )
-            bad.setdefault(s.rank, text)
-            bad.setdefault(peer, text)
-    if bad:
-        raise RefitError("plan", bad, version=refit, agreed=True)

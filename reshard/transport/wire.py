@@ -82,6 +82,8 @@ class Hello(msgspec.Struct, frozen=True, kw_only=True, tag="hello"):
     ipc_host: str = ""
     """The host this rank maps other processes' GPU memory on (CUDA
     tensors with ``GroupConfig.shared_memory``); empty: no CUDA IPC links."""
+    delta: bool = False
+    """Whether this rank runs delta refits (``GroupConfig.delta``; all must agree)."""
 
 
 class RankLayout(msgspec.Struct, frozen=True, kw_only=True, tag="layout"):
@@ -185,6 +187,19 @@ class Status(msgspec.Struct, frozen=True, kw_only=True, tag="status"):
     """Step ``plan``, a source rank with ``GroupConfig.export_sources``: the
     digest of its source tensors in shared memory (:class:`Exports`), which
     colocated receivers read directly; empty: none."""
+    delta_base: int = 0
+    """Step ``plan`` (``GroupConfig.delta``): the refit whose values this rank's
+    snapshot (a source) or tensors (a destination) hold; 0: none, see
+    ``delta_note`` (:mod:`reshard.transport.delta`)."""
+    delta_note: str = ""
+    """Why ``delta_base`` is 0 (a new process, a failed refit, a changed layout)."""
+    delta_digests: dict[int, int] = {}
+    """Step ``plan``: per peer this rank may exchange deltas with, a digest of
+    the values it holds for the pair's transfers (a source: what it sent
+    last; a destination: what its tensors hold now)."""
+    delta_notes: dict[int, str] = {}
+    """Step ``plan``: per such peer without a digest, why (a sender's snapshot
+    over budget, slices new to this plan)."""
 
 
 Message = Hello | RankLayout | Table | Status | Exports

@@ -1,0 +1,123 @@
+"""How to reach the other ranks of a refit: :class:`GroupConfig`."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from dataclasses import dataclass, field
+from typing import Any
+
+from reshard.transport import wire
+
+__all__ = ["GroupConfig"]
+
+
+@dataclass(kw_only=True, slots=True)
+class GroupConfig:
+    """How to reach the other ranks of a refit."""
+
+    address: str
+    """``host:port`` of the TCPStore (hosted by refit rank 0 unless ``host_store`` says otherwise)."""
+    num_sources: int
+    """Trainer ranks in the refit (refit ranks ``0 .. num_sources - 1``)."""
+    num_destinations: int
+    """Engine worker ranks (refit ranks ``num_sources ..``)."""
+    job: str = "reshard"
+    """Name that keeps this job's keys apart from other users of the store."""
+    generation: int = 0
+    """A fresh namespace on the store; groups are also rebuilt automatically
+    after a failure (epochs), so bumping it is never required."""
+    timeout_s: float = 300.0
+    """Bound on every wait: joining, agreeing on a step, each transfer round."""
+    backend: str = "auto"
+    """``gloo``, ``nccl``, or ``auto`` (NCCL for CUDA tensors, gloo otherwise)."""
+    host_store: bool | None = None
+    """Host the TCPStore in this process; ``None``: refit rank 0 hosts it."""
+    domain: str | None = None
+    """This rank's fast-fabric domain label; ``None``: ``$RESHARD_DOMAIN``, else the hostname."""
+    token: str | None = field(default=None, repr=False)
+    """Shared secret of the job; ``None``: ``$RESHARD_TOKEN``, else no token.
+    Ranks with different tokens refuse each other (see ``docs/security.md``)."""
+    checksums: bool = False
+    """Verify every message of a refit with a checksum (every rank must agree)."""
+    store_bind: str | None = None
+    """Address the store hosted by this process listens on. ``None``: the
+    host of ``address``; ``"0.0.0.0"`` or ``"::"``: every interface."""
+    max_metadata_bytes: int = wire.MAX_MESSAGE_BYTES
+    """Largest metadata message (layout, table, status) a rank accepts."""
+    shared_memory: bool = False
+    """Move bytes through shared memory (``/dev/shm``) to and from ranks on
+    the same host that say so too, when both hold CPU tensors; other peers
+    keep the process group (:mod:`reshard.transport.shm`). With CUDA
+    tensors: receivers on the same host that see a sender's GPU read its
+    tensors directly by CUDA IPC (:mod:`reshard.transport.ipc`)."""
+    shm_host: str | None = None
+    """This rank's host label for shared-memory links; ``None``: the machine
+    and its ``/dev/shm`` mount (:func:`reshard.transport.shm.host_id`).
+    Ranks with different labels never share memory."""
+    export_sources: bool = False
+    """A source rank with ``shared_memory``: move its CPU source tensors'
+    storage into shared memory once (in place) so that colocated receivers
+    copy their slices straight out of it, one copy per byte instead of two
+    (:mod:`reshard.transport.shm`). The trainer's tensors stay where they
+    are as Python objects; only their bytes live in ``/dev/shm`` from then on.
+    (CUDA tensors need no move: ``shared_memory`` alone exports them.)"""
+    pg_env: Callable[[], AbstractContextManager[Any]] | None = field(default=None, repr=False, compare=False)
+    """A context the refit group's process groups are built in. Inside a
+    vLLM worker the adapter passes vLLM's ``unpinned_nccl_env``, so NCCL
+    communicators shared with the trainer are created with the launch-time
+    NCCL settings, as vLLM's own trainer communicators are (vLLM pins NCCL
+    settings in its workers for batch invariance; a communicator whose peers
+    disagree on them can hang)."""
+
+    delta: bool = False
+    """Delta refits: each pair of ranks moves only the elements that changed
+    since the last refit, in sparse encodings, where both ranks prove the
+    receiver holds what the sender sent last (every rank must agree;
+    ``docs/delta.md``). Off: every refit is dense."""
+    delta_budget_bytes: int | None = None
+    """A sender's snapshot of what it sent last (one copy of the slices it
+    sends, in the engines' dtypes) stays under this many bytes; receivers
+    whose slices do not fit get dense refits, and the sender says so once.
+    ``None``: no bound."""
+
+    def __post_init__(self) -> None:
+        host, sep, port = self.address.rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(f"refit address {self.address!r} is not host:port")
+        if self.num_sources < 1 or self.num_destinations < 1:
+            raise ValueError(
+                f"a refit needs at least one source and one destination rank, got "
+                f"{self.num_sources} and {self.num_destinations}"
+            )
+        if self.timeout_s <= 0:
+            raise ValueError(f"timeout_s must be positive, got {self.timeout_s}")
+        if self.backend not in ("auto", "gloo", "nccl"):
+            raise ValueError(f"backend must be auto, gloo or nccl, got {self.backend!r}")
+        if not self.job or "/" in self.job:
+            raise ValueError(f"job name {self.job!r} must be non-empty and contain no '/'")
+        if self.export_sources and not self.shared_memory:
+            raise ValueError("export_sources needs shared_memory=True")
+        if self.generation < 0:
+            raise ValueError(f"generation must be >= 0, got {self.generation}")
+        if self.token is None:
+            self.token = os.environ.get("RESHARD_TOKEN") or None
+        elif not isinstance(self.token, str) or not self.token:
+            raise ValueError("token must be a non-empty string, or None to read $RESHARD_TOKEN")
+        if self.max_metadata_bytes <= 0:
+            raise ValueError(f"max_metadata_bytes must be positive, got {self.max_metadata_bytes}")
+        if self.delta_budget_bytes is not None and self.delta_budget_bytes < 0:
+            raise ValueError(f"delta_budget_bytes must be >= 0 or None, got {self.delta_budget_bytes}")
+
+    @property
+    def world_size(self) -> int:
+        return self.num_sources + self.num_destinations
+
+    @property
+    def host(self) -> str:
+        return self.address.rpartition(":")[0]
+
+    @property
+    def port(self) -> int:
+        return int(self.address.rpartition(":")[2])

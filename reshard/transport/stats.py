@@ -1,0 +1,115 @@
+"""What one rank moved in one refit (:class:`ExecStats`), and its account
+of the whole refit (:class:`RefitStats`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from reshard.plan.items import Transfer
+
+__all__ = ["ExecStats", "RefitStats", "count_cast"]
+
+
+@dataclass(slots=True)
+class ExecStats:
+    """What one rank moved in one refit (payload bytes, without padding)."""
+
+    rank: int
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    bytes_landed: int = 0
+    """Of what this rank received (or copied locally), the bytes written into
+    its local tensors, in their dtypes: ``bytes_received`` counts them in
+    the dtypes they travel (the sender's), so the two differ by what was
+    cast on arrival (``casts``)."""
+    bytes_copied: int = 0
+    messages_sent: int = 0
+    messages_received: int = 0
+    rounds: int = 0
+    peak_staging_bytes: int = 0
+    seconds: float = 0.0
+    recv_by_peer: dict[int, int] = field(default_factory=dict)
+    send_by_peer: dict[int, int] = field(default_factory=dict)
+    checksum_seconds: float = 0.0
+    """Time spent taking and checking checksums (``checksums=True``)."""
+    casts: dict[str, int] = field(default_factory=dict)
+    """Bytes received (or copied) in one dtype and cast into a local tensor of
+    another, by ``"src->dst"`` dtype pair (empty when every dtype matched)."""
+    recv_by_link: dict[str, int] = field(default_factory=dict)
+    """Bytes received per link: ``shm`` (shared memory), ``gloo`` or ``nccl``."""
+    send_by_link: dict[str, int] = field(default_factory=dict)
+    direct_bytes: int = 0
+    """Of the ``shm`` bytes: those read straight from a colocated sender's
+    exported tensors (received) or read so by a receiver (sent)."""
+    dense_bytes: int = 0
+    """What a dense refit moves over this rank's links, sent plus received
+    (in the dtypes a dense refit moves them: the senders')."""
+    wire_bytes: int = 0
+    """What this refit moved over them, sent plus received: ``dense_bytes``
+    without deltas; with deltas, their encoded payloads and headers instead
+    of the dense bytes of the pairs that moved deltas."""
+    delta_peers: list[int] = field(default_factory=list)
+    """Peers this rank exchanged deltas with (``GroupConfig.delta``)."""
+    dense_peers: dict[int, str] = field(default_factory=dict)
+    """Peers it could have exchanged deltas with that moved dense this refit, with why."""
+    delta_elements: int = 0
+    """Elements of the transfers that moved as deltas (each box counted per peer
+    on a receiver, once on a sender)."""
+    delta_changed: int = 0
+    """Of those, the elements whose bits changed since the last refit."""
+    encodings: dict[str, int] = field(default_factory=dict)
+    """Delta parts (one per transfer) by encoding: ``same``, ``dense``, ``sparse``, ``bitmask``."""
+    delta_seconds: float = 0.0
+    """Time spent encoding (sender) or applying (receiver) deltas."""
+
+    def as_dict(self) -> dict:
+        return {k: getattr(self, k) for k in self.__slots__}
+
+
+def count_cast(stats: ExecStats, t: Transfer) -> None:
+    """Count ``t``'s bytes as cast from its wire dtype into its destination's."""
+    key = f"{t.dtype}->{t.dst.dtype}"
+    stats.casts[key] = stats.casts.get(key, 0) + t.nbytes
+
+
+@dataclass(slots=True)
+class RefitStats:
+    """One rank's account of one refit."""
+
+    refit: int
+    rank: int
+    exec: ExecStats
+    plan_seconds: float
+    agree_seconds: float
+    total_seconds: float
+    round_bytes: int
+    started_at: float = 0.0
+    """Wall clock (``time.time()``) when this rank entered the refit."""
+    finished_at: float = 0.0
+    touched: frozenset[str] | None = None
+    """With ``GroupConfig.delta``, on a destination: the local tensors whose
+    values changed in this refit (``None``: not tracked, any may have)."""
+
+    def summary(self) -> str:
+        """One line: what this rank moved, how fast, where the time went."""
+        ex = self.exec
+        moved = max(ex.bytes_sent, ex.bytes_received)
+        return (
+            f"refit {self.refit} rank {self.rank}: sent {ex.bytes_sent / 1e6:.1f} MB, received "
+            f"{ex.bytes_received / 1e6:.1f} MB in {self.total_seconds:.3f} s "
+            f"({moved / max(self.total_seconds, 1e-9) / 1e9:.2f} GB/s; plan {self.plan_seconds:.3f} s, "
+            f"agree {self.agree_seconds:.3f} s, transfer {ex.seconds:.3f} s, {ex.rounds} rounds)"
+        )
+
+    def as_dict(self) -> dict:
+        d = self.exec.as_dict()
+        d.update(
+            refit=self.refit,
+            plan_seconds=self.plan_seconds,
+            agree_seconds=self.agree_seconds,
+            total_seconds=self.total_seconds,
+            round_bytes=self.round_bytes,
+            started_at=self.started_at,
+            finished_at=self.finished_at,
+        )
+        return d
