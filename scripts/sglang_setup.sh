@@ -62,10 +62,12 @@ fsspec==2026.9.0
 gguf==0.19.0
 h11==0.16.0
 hf-xet==1.8.0
+hypothesis==6.170.17
 httpcore==1.0.9
 httpx==0.29.0
 huggingface_hub==1.33.0
 idna==3.20
+iniconfig==2.3.1
 interegular==0.3.3
 ipython==9.18.1
 ipython_pygments_lexers==1.1.1
@@ -107,6 +109,7 @@ parso==0.8.7
 partial-json-parser==0.2.1.1.post7
 pexpect==4.9.0
 pillow==13.0.0
+pluggy==1.7.0
 prometheus_client==0.26.0
 prompt_toolkit==3.0.53
 propcache==0.5.4
@@ -118,6 +121,7 @@ pycparser==3.12
 pydantic==2.14.4
 pydantic_core==2.50.5
 Pygments==2.21.0
+pytest==9.2.0
 python-dateutil==2.9.0.post0
 python-multipart==0.0.34
 PyYAML==6.0.4
@@ -132,6 +136,7 @@ sentencepiece==0.2.1
 setproctitle==1.3.8
 shellingham==1.5.4
 six==1.17.0
+sortedcontainers==2.4.0
 sniffio==1.3.1
 soundfile==0.13.1
 stack-data==0.6.3
@@ -169,6 +174,9 @@ $PIP install -c "$TMP/constraints.txt" \
   packaging regex pillow python-dateutil distro ipython dill apache-tvm-ffi==0.1.11 \
   sentencepiece==0.2.1 compressed-tensors==0.18.0 gguf openai==2.8.0 jsonschema \
   xgrammar==0.2.7 soundfile==0.13.1
+# 3b. the test runner: make test runs reshard's planner, transport, sender
+#     and shared-memory tests under this venv's torch 2.14.1 too
+$PIP install -c "$TMP/constraints.txt" pytest==9.2.0 hypothesis==6.170.17
 # 4. A stub for `from vllm._custom_ops import rotary_embedding`, which SGLang
 #    imports (never calls) on a non-CUDA host unless SGLANG_USE_CPU_ENGINE=1
 #    (sglang/srt/layers/rotary_embedding/base.py); that flag needs sgl-kernel.

@@ -53,7 +53,9 @@ def _first(x: Any) -> Any:
 class Server:
     """``python -m tests.sglang_serve`` on a tiny model, on CPU, with the reshard hook."""
 
-    def __init__(self, python: Path, model: str | os.PathLike, *, tp: int, port: int, log: Path) -> None:
+    def __init__(
+        self, python: Path, model: str | os.PathLike, *, tp: int, port: int, log: Path, dtype: str = "float32"
+    ) -> None:
         self.url = f"http://127.0.0.1:{port}"
         self.tp = tp
         self.log = log
@@ -63,7 +65,7 @@ class Server:
         # --max-total-tokens caps what it allocates either way.
         args = [
             str(python), "-m", "tests.sglang_serve",
-            "--model-path", str(model), "--device", "cpu", "--tp-size", str(tp), "--dtype", "float32",
+            "--model-path", str(model), "--device", "cpu", "--tp-size", str(tp), "--dtype", dtype,
             "--attention-backend", "torch_native", "--sampling-backend", "pytorch", "--disable-cuda-graph",
             "--mem-fraction-static", "0.5", "--max-total-tokens", "2048", "--max-running-requests", "4",
             "--chunked-prefill-size", "512", "--skip-server-warmup", "--random-seed", "0",
@@ -140,15 +142,24 @@ class Server:
 
 
 def sglang_trainer_push(
-    rank: int, world: int, pg_port: int, path: str, config: dict[str, Any], refit: int, mutate: str, drive: str
+    rank: int,
+    world: int,
+    pg_port: int,
+    path: str,
+    config: dict[str, Any],
+    refit: int,
+    mutate: str,
+    drive: str,
+    dtype: str = "float32",
 ) -> dict[str, Any]:
-    """One FSDP2 trainer rank pushes ``path`` as refit ``refit``; with
-    ``drive`` (a server URL), rank 0 also drives the server (the one-call path)."""
+    """One FSDP2 trainer rank pushes ``path`` (held in ``dtype``) as refit
+    ``refit``; with ``drive`` (a server URL), rank 0 also drives the server
+    (the one-call path)."""
     from reshard import GroupConfig, Sender
     from tests.trainers import fsdp2_model, mutated_rename
 
     try:
-        model = fsdp2_model(rank, world, pg_port, path, mutate=mutate)
+        model = fsdp2_model(rank, world, pg_port, path, mutate=mutate, dtype=dtype)
         sender = Sender(model, config=GroupConfig(**config), rename=mutated_rename(mutate))
         try:
             if drive and rank == 0:
@@ -176,10 +187,16 @@ class Trainers:
         self.port = procs.free_port()
 
     def start_push(
-        self, path: str | os.PathLike, config: dict[str, Any], refit: int, mutate: str = "", drive: str = ""
+        self,
+        path: str | os.PathLike,
+        config: dict[str, Any],
+        refit: int,
+        mutate: str = "",
+        drive: str = "",
+        dtype: str = "float32",
     ) -> None:
         """Every rank pushes; with ``drive`` (a server URL), rank 0 drives it too."""
-        self.pool.submit(sglang_trainer_push, self.world, self.port, str(path), config, refit, mutate, drive)
+        self.pool.submit(sglang_trainer_push, self.world, self.port, str(path), config, refit, mutate, drive, dtype)
 
     def results(self, timeout: float = 240.0) -> list[dict[str, Any]]:
         from tests import procs
@@ -200,6 +217,7 @@ def refit_with_trainers(
     generation: int,
     mutate: str = "",
     trainer_drives: bool = False,
+    dtype: str = "float32",
 ) -> dict[str, Any]:
     """One refit: the trainer ranks push while the driver (here, or trainer
     rank 0 through ``Sender.push(engines=...)``) drives the server."""
@@ -215,7 +233,7 @@ def refit_with_trainers(
     )
     if trainer_drives:
         t0 = time.monotonic()
-        trainers.start_push(path, config, refit, mutate, drive=server.url)
+        trainers.start_push(path, config, refit, mutate, drive=server.url, dtype=dtype)
         results = trainers.results()
         return {
             "replies": results[0].get("engine_stats"),
@@ -224,7 +242,7 @@ def refit_with_trainers(
             "seconds": time.monotonic() - t0,
             "paused": False,
         }
-    trainers.start_push(path, config, refit, mutate)
+    trainers.start_push(path, config, refit, mutate, dtype=dtype)
     engines = SglangEngines([server.url])
     engines.init(GroupConfig(**config))
     t0 = time.monotonic()

@@ -11,7 +11,6 @@ it they fail, unless ``RESHARD_SKIP_SGLANG=1`` says to skip them.
 from __future__ import annotations
 
 import json
-import os
 import threading
 import time
 from typing import Any
@@ -43,18 +42,25 @@ class Toy(torch.nn.Module):
     """TP rank 1 of 2 as SGLang's loaders lay it out: q/k/v rows stacked in
     one ``qkv`` parameter, the vocabulary (5) padded to 8 and split in two."""
 
-    def __init__(self, *, compute: bool = False) -> None:
+    def __init__(self, *, mode: str = "") -> None:
+        """``mode``: ``compute``, the loader doubles its shard of ``k``;
+        ``constant``, it writes zeros, which no checkpoint tensor determines."""
         super().__init__()
         self.qkv = torch.nn.Parameter(torch.full((8, 4), -1.0))
         self.embed = torch.nn.Parameter(torch.full((4, 4), -1.0))
-        self.compute = compute
+        self.mode = mode
 
     def load_weights(self, weights) -> None:
         for name, w in weights:
             if name == "q.weight":
                 self.qkv.data[0:4].copy_(w.narrow(0, 4, 4))
             elif name == "k.weight":
-                self.qkv.data[4:6].copy_(w.narrow(0, 2, 2) * 2 if self.compute else w.narrow(0, 2, 2))
+                k = w.narrow(0, 2, 2)
+                if self.mode == "compute":
+                    k = k * 2
+                elif self.mode == "constant":
+                    k = torch.zeros_like(k)
+                self.qkv.data[4:6].copy_(k)
             elif name == "v.weight":
                 self.qkv.data[6:8].copy_(w.narrow(0, 2, 2))
             elif name == "embed.weight":
@@ -84,16 +90,27 @@ def test_learned_layout_follows_the_loaders_and_writes_nothing():
     assert torch.all(model.qkv == -1) and torch.all(model.embed == -1)
 
 
-def test_a_loader_that_computes_is_refused():
+def test_a_loader_that_computes_goes_through_sglangs_loader():
+    """The shard of ``k`` the loader doubles is fetched (that shard only) and
+    handed to the model's own ``load_weights``; the rest stays plain."""
+    learned = learn_layout(Toy(mode="compute"), METAS)
+    assert not learned.problems()
+    assert list(learned.via_loader) == ["k.weight"]
+    via = learned.via_loader["k.weight"]
+    assert via.params == ("qkv",) and via.region == Box((2, 0), (2, 4))
+    assert {p.tensor.name for p in learned.pieces if p.local == "qkv"} == {"q.weight", "v.weight"}
+
+
+def test_a_loader_no_checkpoint_tensor_determines_is_refused():
     from reshard.adapters.sglang.receiver import learn_checked
 
-    learned = learn_layout(Toy(compute=True), METAS)
-    assert any("k.weight" in u or "qkv" in u for u in learned.unsupported), learned.unsupported
+    learned = learn_layout(Toy(mode="constant"), METAS)
+    assert any("qkv: written from a tensor no checkpoint tensor determines" in u for u in learned.unsupported)
     with pytest.raises(ReshardError, match="incomplete"):
-        learn_checked(Toy(compute=True), METAS, rank=3)
+        learn_checked(Toy(mode="constant"), METAS, rank=3)
 
 
-def _hook_run(rank: int, address: str, compute: bool, junk: bool) -> dict[str, Any]:
+def _hook_run(rank: int, address: str, mode: str, junk: bool) -> dict[str, Any]:
     """Rank 0: a trainer holding the checkpoint. Rank 1: an SGLang worker
     (TP rank 0 of 1) whose loader is called through the hook."""
     from reshard import GroupConfig, Sender
@@ -117,13 +134,13 @@ def _hook_run(rank: int, address: str, compute: bool, junk: bool) -> dict[str, A
 
     hook._parallel = lambda: (0, 1, 1)  # what SGLang's runtime context says in a TP=1 worker
     receiver_mod.canonical_tensors_of = lambda model: METAS
-    model = Toy(compute=compute)
+    model = Toy(mode=mode)
     if junk:
         hook.load(model, [("model.layers.0.whatever", torch.empty(0))])  # must not raise
     cmd = protocol.Command(op="pull", id="t1", group=GroupSpec.of(cfg), refit=1)
     hook.load(model, [(protocol.encode_command(cmd), torch.empty(0))])  # must not raise either way
     replies = SglangEngine("http://unused", tp_size=1)._replies(cmd, 1, wait_s=5)
-    ref = Toy()
+    ref = Toy(mode=mode)
     ref.load_weights(ckpt.items())
     return {
         "replies": [msgspec.structs.asdict(r) for r in replies],
@@ -131,19 +148,21 @@ def _hook_run(rank: int, address: str, compute: bool, junk: bool) -> dict[str, A
     }
 
 
-def test_hook_pulls_into_live_parameters_equal_to_the_loaders():
+@pytest.mark.parametrize("mode", ["", "compute"], ids=["plain", "computing-loader"])
+def test_hook_pulls_into_live_parameters_equal_to_the_loaders(mode):
     server = procs.StoreServer()
-    trainer, engine = procs.check(procs.run(_hook_run, 2, server.address, False, True, timeout=120))
+    trainer, engine = procs.check(procs.run(_hook_run, 2, server.address, mode, True, timeout=120))
     assert trainer["ok"], trainer
     [reply] = engine["replies"]
     assert reply["ok"] and reply["rank"] == 1, reply
     assert reply["stats"]["bytes_received"] == reply["stats"]["kept_bytes"] == (4 + 2 + 2 + 1) * 4 * 4
+    assert reply["stats"]["loader_tensors"] == (1 if mode else 0)
     assert engine["equal"]
 
 
 def test_hook_with_an_unlearnable_model_fails_the_plan_at_once_and_never_raises():
     server = procs.StoreServer()
-    trainer, engine = procs.check(procs.run(_hook_run, 2, server.address, True, False, timeout=180))
+    trainer, engine = procs.check(procs.run(_hook_run, 2, server.address, "constant", False, timeout=180))
     assert not trainer["ok"] and trainer["step"] == "plan", trainer
     # The trainer learns it long before the group timeout (60 s).
     assert trainer["seconds"] < 30
@@ -284,20 +303,6 @@ llama: one KV head, tied embeddings (TP=1 only: SGLang on CPU needs TP to
 divide the KV heads)."""
 FULL = ("qwen2", 1)
 """The configuration that also runs the mismatch and live-traffic checks."""
-
-
-@pytest.fixture(scope="module")
-def sglang_python():
-    from .sglang_support import REPO, sglang_python
-
-    py = sglang_python()
-    if py is None:
-        where = os.environ.get("RESHARD_SGLANG_VENV") or REPO / ".venv-sglang"
-        msg = f"no SGLang venv at {where}: run `make sglang-setup` (or set RESHARD_SGLANG_VENV)"
-        if os.environ.get("RESHARD_SKIP_SGLANG") == "1":
-            pytest.skip(msg)
-        pytest.fail(msg)
-    return py
 
 
 def _scenario(server, trainers, kind: str, tp: int, v1, v2) -> dict[str, Any]:

@@ -41,9 +41,16 @@ def make_llm(
 
 def fresh_greedy(rank: int, path: str) -> list[list[int]]:
     """Greedy tokens of a fresh TP=1 engine on ``path`` (run in its own process)."""
+    return fresh_greedy_and_state(rank, path)["tokens"]
+
+
+def fresh_greedy_and_state(rank: int, path: str) -> dict[str, Any]:
+    """Greedy tokens and worker state of a fresh TP=1 engine on ``path`` (run in its own process)."""
+    from reshard.adapters.vllm.driver import engine_state
+
     llm = make_llm(path, 1, extension="reshard.adapters.vllm.ReshardWorkerExtension")
     try:
-        return greedy(llm)
+        return {"tokens": greedy(llm), "state": engine_state(llm)}
     finally:
         shutdown(llm)
 
@@ -112,15 +119,21 @@ class CaptureExtension(ReshardWorkerExtension):
         from reshard.adapters.vllm.receiver import canonical_tensors_of
 
         cfg = self.model_runner.model_config
-        learned = learn_layout(self.model_runner.model, cfg, canonical_tensors_of(cfg, self.vllm_config))
+        learned = learn_layout(self.model_runner.model, canonical_tensors_of(cfg, self.vllm_config))
         return [
             (p.tensor.name, p.box.offsets, p.box.sizes, p.local, p.local_shape, p.offset, p.dims)
             for p in learned.pieces
         ]
 
     def reload_from(self, path: str) -> None:
-        """vLLM's own refit from a checkpoint (the reference)."""
-        self.model_runner.reload_weights(weights_path=path, is_checkpoint_format=True)
+        """vLLM's own refit from a checkpoint (the reference), with the one
+        correction reshard applies to it too (a live tensor released after
+        loading, MLA's ``kv_b_proj`` on CPUs with AMX, takes the reloaded
+        values: vLLM's copy into it fails)."""
+        from reshard.adapters.vllm.lifecycle import released_kernels_adopted
+
+        with released_kernels_adopted():
+            self.model_runner.reload_weights(weights_path=path, is_checkpoint_format=True)
 
 
 def fsdp_trainer(
@@ -227,6 +240,23 @@ def backend_scenario(rank: int, tp: int, v1: str, v2: str, port: int) -> dict[st
     return out
 
 
+def trainer_ready_key(first_refit: int, generation: int) -> str:
+    """The key :func:`plain_trainer` sets on the test's store once it is about
+    to push (its imports and model load done): a test that starts a refit on
+    the engine side waits for it, so the engine's join timeout never races a
+    trainer process still starting on a loaded machine."""
+    return f"test/trainer-ready/{first_refit}/{generation}"
+
+
+def _signal(address: str, key: str) -> None:
+    import datetime
+
+    from torch.distributed import TCPStore
+
+    host, port = address.rsplit(":", 1)
+    TCPStore(host, int(port), None, False, timeout=datetime.timedelta(seconds=60)).set(key, "1")
+
+
 def plain_trainer(
     rank: int,
     address: str,
@@ -257,6 +287,7 @@ def plain_trainer(
         generation=generation,
     )
     sender = Sender(model, config=cfg, budget_bytes=budget_bytes)
+    _signal(address, trainer_ready_key(first_refit, generation))
     cache: dict[str, dict[str, torch.Tensor]] = {}
 
     def die(i: int) -> None:

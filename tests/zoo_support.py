@@ -7,10 +7,13 @@ engines, one at a time, TP=1 in-process, TP=2 with two worker processes).
 
 One configuration (architecture, TP):
 
-1. the engine starts on checkpoint v2: its tokens are a fresh engine's on v2;
+1. the engine starts on checkpoint v2: its tokens and its whole state
+   (:func:`reshard.adapters.core.state.model_state`: every tensor its
+   forward pass may read, derived ones included) are a fresh engine's on v2;
 2. vLLM's own reload moves it to v1 (its tokens must now differ);
 3. a refit moves it back to v2, every parameter captured as it lands
-   (before vLLM repacks it); its tokens must equal the fresh engine's;
+   (before vLLM repacks it); its tokens and its whole state must equal the
+   fresh engine's;
 4. vLLM's own reload of v2, captured the same way: every parameter must
    equal what the refit wrote (a parameter the refit never wrote would still
    hold v1's bytes, or miss from the capture);
@@ -45,6 +48,16 @@ commit): MoE experts repacked on CPU at TP=2, tied embeddings at TP=1."""
 SHARED_MEMORY = {("qwen2", 2): "export", ("qwen3_moe", 1): "channels"}
 """Configurations whose refit is colocated: every byte through shared memory
 (channels, or read from the trainers' exported tensors)."""
+
+TP: dict[str, tuple[int, ...]] = {"deepseek_v3_g1": (1,), "gemma": (1,), "mistral": (1,)}
+"""Tensor-parallel sizes per architecture (default: 1 and 2; variants of
+architectures the zoo runs at TP=2 run at TP=1 only)."""
+
+ENGINE_ARGS: dict[str, dict[str, Any]] = {"deepseek_v3_g1": {"attention_backend": "CPU_MLA"}}
+"""Engine arguments per architecture: MLA on vLLM's reference CPU backend
+(the others take the backend the machine picks: AMX where it has AMX)."""
+
+CONFIGS = [(kind, tp) for kind in ZOO for tp in TP.get(kind, (1, 2))]
 
 _state: dict[str, Any] = {}
 """Per pool process: the engine being tested, the trainer's default group."""
@@ -106,20 +119,24 @@ def trainer_push(
 # -- the engine host -----------------------------------------------------------------
 
 
-def engine_start(rank: int, path: str, tp: int) -> list[list[int]]:
-    """Start the engine under test on ``path``; its greedy tokens."""
-    from tests.vllm_support import greedy, make_llm
+def engine_start(rank: int, path: str, tp: int, args: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Start the engine under test on ``path``: its greedy tokens and every
+    worker's state."""
+    from tests.vllm_support import make_llm
 
     engine_stop(rank)
-    llm = make_llm(path, tp, dtype="bfloat16")
+    llm = make_llm(path, tp, dtype="bfloat16", **(args or {}))
     _state["llm"] = llm
-    return greedy(llm)
+    return engine_greedy(rank)
 
 
-def engine_greedy(rank: int) -> list[list[int]]:
+def engine_greedy(rank: int) -> dict[str, Any]:
+    """The engine's greedy tokens, and every worker's state (see :func:`reshard.adapters.core.state.model_state`)."""
+    from reshard.adapters.vllm.driver import engine_state
     from tests.vllm_support import greedy
 
-    return greedy(_state["llm"])
+    llm = _state["llm"]
+    return {"tokens": greedy(llm), "state": engine_state(llm)}
 
 
 def engine_pull(
@@ -127,7 +144,13 @@ def engine_pull(
 ) -> dict[str, Any]:
     """Join the refit group ``config`` and pull refit ``refit`` on every
     worker; ``two_phase``: stage it, then commit it."""
-    from reshard.adapters.vllm.driver import commit_workers, init_workers, pull_workers, stage_workers
+    from reshard.adapters.vllm.driver import (
+        commit_workers,
+        flush_prefix_cache,
+        init_workers,
+        pull_workers,
+        stage_workers,
+    )
     from tests.vllm_support import flat
 
     llm = _state["llm"]
@@ -145,17 +168,18 @@ def engine_pull(
     except Exception as e:
         stats, error = None, str(e)
     digests = llm.collective_rpc("capture_end") if capture else None
-    llm.reset_prefix_cache()
+    flush_prefix_cache(llm)
     return {"init": init, "stats": stats, "error": error, "digests": digests, "seconds": time.monotonic() - t0}
 
 
 def engine_load(rank: int, path: str) -> list[list[int]]:
     """vLLM's own reload from ``path``; greedy tokens afterwards."""
+    from reshard.adapters.vllm.driver import flush_prefix_cache
     from tests.vllm_support import greedy
 
     llm = _state["llm"]
     llm.collective_rpc("reload_from", args=(path,))
-    llm.reset_prefix_cache()
+    flush_prefix_cache(llm)
     return greedy(llm)
 
 
@@ -237,10 +261,12 @@ class Zoo:
         out: dict[str, Any] = {"kind": kind, "tp": tp}
         t0 = time.monotonic()
         try:
-            out["fresh_v2"] = self.host.call(engine_start, v2, tp, timeout=600)[0]
+            fresh = self.host.call(engine_start, v2, tp, ENGINE_ARGS.get(kind), timeout=600)[0]
+            out["fresh_v2"], out["fresh_state"] = fresh["tokens"], fresh["state"]
             out["before"] = self.host.call(engine_load, v1)[0]
             out["refit"] = self._refit(v2, tp, 1, capture=True, shm=SHARED_MEMORY.get((kind, tp), ""))
-            out["after"] = self.host.call(engine_greedy)[0]
+            after = self.host.call(engine_greedy)[0]
+            out["after"], out["after_state"] = after["tokens"], after["state"]
             out["learned"] = self.host.call(engine_learned)[0]
             out["reference"] = self.host.call(engine_reload, v2)[0]
             if (kind, tp) in TWO_PHASE:
@@ -248,7 +274,8 @@ class Zoo:
                 # stage v2 and commit it, every parameter captured as it lands.
                 self.host.call(engine_load, v1)
                 out["staged"] = self._refit(v2, tp, 2, capture=True, two_phase=True)
-                out["after_staged"] = self.host.call(engine_greedy)[0]
+                after = self.host.call(engine_greedy)[0]
+                out["after_staged"], out["staged_state"] = after["tokens"], after["state"]
         except Exception as e:
             out["error"] = f"{type(e).__name__}: {e}"
         finally:

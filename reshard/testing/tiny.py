@@ -78,6 +78,34 @@ TINY: dict[str, dict[str, Any]] = {
         vocab_size=512,
         tie_word_embeddings=True,
     ),
+    # Llama's layout under Mistral's names and loader.
+    "mistral": dict(
+        model_type="mistral",
+        hidden_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        vocab_size=512,
+        tie_word_embeddings=False,
+    ),
+    # Gemma (1): norms stored as w and applied as 1 + w (SGLang's loader adds
+    # the 1 to the checkpoint tensor), GeGLU, tied embeddings. A larger init:
+    # at 0.1 the tied head makes any such tiny model repeat its last token.
+    "gemma": dict(
+        initializer_range=0.3,
+        model_type="gemma",
+        hidden_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        vocab_size=512,
+        hidden_activation="gelu_pytorch_tanh",
+        tie_word_embeddings=True,
+    ),
     # Gemma-style norms (1 + w), per-head q/k norms, a sliding-window layer.
     "gemma3_text": dict(
         model_type="gemma3_text",
@@ -218,6 +246,14 @@ TINY: dict[str, dict[str, Any]] = {
     ),
 }
 
+# DeepSeek-V3 with two attention heads, one expert group and wider experts:
+# a configuration once reported to serve wrong tokens after a TP=1 refit on a
+# loaded machine (the zoo runs it on vLLM's reference CPU MLA backend,
+# whichever MLA backend the machine would pick).
+TINY["deepseek_v3_g1"] = dict(
+    TINY["deepseek_v3"], num_attention_heads=2, num_key_value_heads=2, moe_intermediate_size=128, n_group=1
+)
+
 NONDETERMINISTIC: set[tuple[str, int]] = set()
 """(architecture, TP) whose fresh vLLM engines disagree with each other on
 this CPU in bf16: tests compare parameters with vLLM's own reload instead
@@ -227,8 +263,7 @@ of tokens."""
 def tiny_config(kind: str, **overrides: Any) -> dict[str, Any]:
     if kind not in TINY:
         raise ValueError(f"unknown tiny model {kind!r}; known: {sorted(TINY)}")
-    cfg = dict(TINY[kind])
-    cfg.update(
+    cfg: dict[str, Any] = dict(
         initializer_range=0.1,
         max_position_embeddings=512,
         bos_token_id=1,
@@ -236,6 +271,7 @@ def tiny_config(kind: str, **overrides: Any) -> dict[str, Any]:
         pad_token_id=3,
         torch_dtype="float32",
     )
+    cfg.update(TINY[kind])
     cfg.update(overrides)
     return cfg
 

@@ -50,6 +50,9 @@ class GroupSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     version: int = 1
     shared_memory: bool = False
     """Workers move bytes through shared memory with ranks on their host that say so too."""
+    delta: bool = False
+    """Delta refits (``GroupConfig.delta``): workers keep what they received
+    and take only what changed since (``docs/delta.md``)."""
 
     @classmethod
     def of(
@@ -80,6 +83,7 @@ class GroupSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
             budget_bytes=budget_bytes,
             atomic=atomic,
             shared_memory=config.shared_memory,
+            delta=config.delta,
         )
 
     @classmethod
@@ -111,6 +115,7 @@ class GroupSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
             token=self.token,
             host_store=False,
             shared_memory=self.shared_memory,
+            delta=self.delta,
         )
 
     def rank_of(self, worker: int) -> int:

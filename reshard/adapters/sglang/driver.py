@@ -169,6 +169,16 @@ class SglangEngine:
         pool.shutdown(wait=False)
         return fut
 
+    def state(self, config: GroupConfig) -> list[dict[str, str]]:
+        """Per TP worker, a digest of every tensor the model's forward pass may
+        read, by module path (:func:`reshard.adapters.core.state.model_state`):
+        compare a refit server's with a fresh one's
+        (:func:`reshard.adapters.core.state.compare_states`). Runs in an update
+        session of its own, with generation running."""
+        spec = GroupSpec.of(config, engine_offset=self.engine_offset, budget_bytes=self.budget_bytes)
+        replies = self._run(Command(op="state", id=uuid.uuid4().hex, group=spec), None, False)
+        return [r.stats["state"] for r in sorted(replies, key=lambda r: r.tp_rank)]
+
     def close(self, config: GroupConfig) -> list[WorkerReply]:
         """Make every worker leave the refit group (a session of its own)."""
         spec = GroupSpec.of(config, engine_offset=self.engine_offset, budget_bytes=self.budget_bytes)

@@ -94,6 +94,13 @@ def _run(model, cmd: Command) -> WorkerReply:
     if cmd.op == "close":
         _close()
         return WorkerReply(id=cmd.id, rank=rank, tp_rank=tp_rank, ok=True)
+    if cmd.op == "state":
+        from reshard.adapters.core.state import model_state
+
+        try:
+            return WorkerReply(id=cmd.id, rank=rank, tp_rank=tp_rank, ok=True, stats={"state": model_state(model)})
+        except BaseException as e:
+            return fail(e)
     if cmd.op != "pull":
         return fail(ValueError(f"unknown reshard command {cmd.op!r}"))
     try:
@@ -110,8 +117,12 @@ def _run(model, cmd: Command) -> WorkerReply:
         # the next refit with a new generation (a new ``GroupSpec``).
         _close()
         return fail(e, mixed=receiver.mixed)
-    numbers = {k: float(v) for k, v in stats.items() if isinstance(v, int | float) and not isinstance(v, bool)}
+    numbers: dict[str, Any] = {
+        k: float(v) for k, v in stats.items() if isinstance(v, int | float) and not isinstance(v, bool)
+    }
     numbers["learn_seconds"] = _STATE.learn_seconds
+    # Delta refits: which peers moved deltas, why the others moved dense, the encodings.
+    numbers.update({k: stats[k] for k in ("delta", "delta_peers", "dense_peers", "encodings") if k in stats})
     return WorkerReply(id=cmd.id, rank=rank, tp_rank=tp_rank, ok=True, stats=numbers)
 
 

@@ -59,7 +59,19 @@ def canonical_tensors_of(model: torch.nn.Module) -> list[TensorMeta]:
     config = getattr(model, "config", None)
     if config is None or not hasattr(config, "to_dict"):
         raise ValueError(f"{type(model).__name__} has no Hugging Face config at .config")
-    return canonical_tensors(config.to_dict(), dtype=model_dtype(model))
+    return canonical_tensors(_checkpoint_config(config.to_dict()), dtype=model_dtype(model))
+
+
+def _checkpoint_config(cfg: dict) -> dict:
+    """The checkpoint's config from the one SGLang's model holds: SGLang's
+    DeepSeek models rename the RoPE type ``yarn`` to ``deepseek_yarn`` in
+    place, which transformers does not know."""
+    for key in ("rope_scaling", "rope_parameters"):
+        rope = cfg.get(key)
+        if isinstance(rope, dict):
+            renamed = {k: "yarn" for k in ("rope_type", "type") if rope.get(k) == "deepseek_yarn"}
+            cfg[key] = {**rope, **renamed}
+    return cfg
 
 
 def learn_layout(model: torch.nn.Module, tensors: Iterable[TensorMeta]) -> LearnedLayout:
@@ -68,13 +80,19 @@ def learn_layout(model: torch.nn.Module, tensors: Iterable[TensorMeta]) -> Learn
     not written."""
     params: dict[int, tuple[str, torch.Tensor]] = {}
     layers: dict[str, list[str]] = defaultdict(list)
+    derived: list[torch.Tensor] = []
     for mod_name, mod in model.named_modules():
         for pname, p in list(mod._parameters.items()) + list(mod._buffers.items()):
             if p is None or p.is_meta:
+                continue
+            if pname in mod._non_persistent_buffers_set:
+                # Not in any checkpoint: state the engine derives from its
+                # parameters (refreshed after a refit, see the receiver).
+                derived.append(p)
                 continue
             key = p.untyped_storage()._cdata
             if key not in params:
                 full = f"{mod_name}.{pname}" if mod_name else pname
                 params[key] = (full, p)
                 layers[mod_name].append(full)
-    return record_loads(params, layers, tensors, model.load_weights, strict=True)  # type: ignore[arg-type]
+    return record_loads(params, layers, tensors, model.load_weights, strict=True, derived=derived)  # type: ignore[arg-type]

@@ -29,7 +29,10 @@ PREFIX = "reshard:"
 class Command(msgspec.Struct, frozen=True, kw_only=True):
     version: int = 1
     op: str
-    """``pull`` (receive refit ``refit``) or ``close`` (leave the refit group)."""
+    """``pull`` (receive refit ``refit``), ``close`` (leave the refit group)
+    or ``state`` (digest every tensor the model's forward pass may read,
+    :func:`reshard.adapters.core.state.model_state`, into the reply's
+    ``stats["state"]``)."""
     id: str
     group: GroupSpec
     refit: int = 0

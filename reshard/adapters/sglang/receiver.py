@@ -10,10 +10,19 @@ inside SGLang's ``begin_weight_update`` / ``end_weight_update`` session:
    is untouched);
 2. the regions SGLang's loaders clear (vocabulary padding) are zeroed;
 3. the rounds write every kept byte into its parameter;
-4. ``post_load_weights()`` runs if the model has one, as SGLang does for
-   loaders that bypass ``model.load_weights`` (derived weights, such as
-   MLA's absorbed projections, are recomputed); ``end_weight_update`` then
-   runs SGLang's own post-processing (quantized layers).
+4. checkpoint tensors SGLang's loader transforms (Gemma adds 1 to its norm
+   weights, in place, before copying them) are received into buffers of
+   their own and handed to the model's ``load_weights``, so they land exactly
+   as SGLang's own load writes them (see
+   :mod:`reshard.adapters.core.recording`);
+5. what SGLang derives from parameters is refreshed as its own direct
+   loaders do (:func:`refresh_derived`: parameter aliases and derived
+   buffers, then ``post_load_weights``, which recomputes MLA's absorbed
+   projections); ``end_weight_update`` then runs SGLang's own
+   post-processing (quantized layers).
+
+Parameters are found by name at every refit: SGLang's post-processing may
+replace a parameter object.
 
 A failure after step 2 leaves the parameters mixing old and new values:
 :attr:`SglangReceiver.mixed` says so, and the driver keeps the engine paused.
@@ -24,7 +33,7 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Any
 
-from reshard.adapters.core.recording import LearnedLayout
+from reshard.adapters.core.recording import LOADER_PREFIX, LearnedLayout
 from reshard.adapters.sglang.layout import canonical_tensors_of, learn_layout
 from reshard.errors import ReshardError
 from reshard.plan.items import RankPlan
@@ -37,7 +46,7 @@ from reshard.transport.session import DEFAULT_BUDGET_BYTES
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["SglangReceiver", "learn_checked"]
+__all__ = ["SglangReceiver", "learn_checked", "refresh_derived"]
 
 
 def learn_checked(model: torch.nn.Module, tensors: list[TensorMeta] | None = None, *, rank: int = -1) -> LearnedLayout:
@@ -54,6 +63,28 @@ def learn_checked(model: torch.nn.Module, tensors: list[TensorMeta] | None = Non
             "leave stale weights:\n  " + "\n  ".join(problems[:20])
         )
     return learned
+
+
+def refresh_derived(model: torch.nn.Module) -> None:
+    """What SGLang derives from parameters written in place, refreshed as its
+    own loaders that write parameters directly do: aliases and derived
+    buffers (``PreshardedModelLoader._rebind_parameter_aliases``: Gemma's
+    ``gemma_weight``, linear-attention aliases), then the model's
+    ``post_load_weights`` (DeepSeek's absorbed MLA matrices). SGLang's
+    ``end_weight_update`` runs ``process_weights_after_loading`` on every
+    module afterwards; it skips ``post_load_weights`` after a tensor update,
+    so the receiver must call it."""
+    try:
+        from sglang.srt.model_loader.loader import PreshardedModelLoader
+    except ImportError:  # an SGLang without it
+        pass
+    else:
+        rebind = getattr(PreshardedModelLoader, "_rebind_parameter_aliases", None)
+        if rebind is not None:
+            rebind(model)
+    post = getattr(model, "post_load_weights", None)
+    if callable(post):
+        post()
 
 
 class SglangReceiver:
@@ -77,14 +108,21 @@ class SglangReceiver:
         self.learn_seconds = time.perf_counter() - t0
         self.model = model
         self.rank = rank
-        named: dict[str, torch.Tensor] = dict(model.named_parameters(remove_duplicate=False))
-        named.update(model.named_buffers(remove_duplicate=False))
-        self.params: dict[str, torch.Tensor] = {n: named[n].data for n in self.learned.local_shapes}
+        import torch
+
+        self.params = self._live()
         if device is None:
             device = next(iter(self.params.values())).device
+        # Loader tensors land in buffers of their own (zero outside the region
+        # their loader reads), and SGLang's own loader runs on them.
+        self.loader_buffers = {
+            v.local: torch.zeros(v.tensor.shape, dtype=getattr(torch, v.tensor.dtype), device=device)
+            for v in self.learned.via_loader.values()
+            if not v.region.is_empty()
+        }
         self.layout = build_layout(rank, self.learned.pieces)
         self.receiver = Receiver(
-            self.params,
+            {**self.params, **self.loader_buffers},
             config=config,
             rank=rank,
             layout=self.layout,
@@ -93,6 +131,14 @@ class SglangReceiver:
         )
         self.mixed = False
         self.last_stats: dict[str, Any] = {}
+
+    def _live(self) -> dict[str, torch.Tensor]:
+        """Every parameter a piece writes, found by name now: SGLang's
+        post-processing may replace a parameter object (repacked, or rebound
+        to another dtype), so none is kept from one refit to the next."""
+        named: dict[str, torch.Tensor] = dict(self.model.named_parameters(remove_duplicate=False))
+        named.update(self.model.named_buffers(remove_duplicate=False))
+        return {n: named[n].data for n in self.learned.local_shapes if not n.startswith(LOADER_PREFIX)}
 
     @property
     def kept_bytes(self) -> int:
@@ -110,16 +156,39 @@ class SglangReceiver:
 
     def pull(self, refit: int, *, method: str = "reshard") -> dict[str, Any]:
         """Receive refit ``refit`` (collective with every refit rank)."""
+        import torch
+
         self.mixed = False
         t0 = time.perf_counter()
+        self.params = self._live()
         if method != "reshard":
             # The baseline writes from its first broadcast on.
             self._zero_padding()
-        stats = self.receiver.pull(refit, method=method, before_transfer=self._zero_padding)
+        stats = self.receiver.pull(
+            refit,
+            method=method,
+            destinations={**self.params, **self.loader_buffers},
+            before_transfer=self._zero_padding,
+        )
         t1 = time.perf_counter()
-        post = getattr(self.model, "post_load_weights", None)
-        if callable(post):
-            post()
+        # With deltas only the loader tensors that changed go through the
+        # loader again (a copy: SGLang's loaders may change what they read
+        # in place, and the buffer is the base the next delta patches).
+        touched = stats.touched
+        vias = self.learned.via_loader.values()
+        loaded = [
+            (v.tensor.name, self.loader_buffers[v.local] if touched is None else self.loader_buffers[v.local].clone())
+            for v in vias
+            if v.local in self.loader_buffers and (touched is None or v.local in touched)
+        ]
+        try:
+            with torch.no_grad():
+                if loaded:
+                    self.model.load_weights(loaded)  # type: ignore[operator]
+                refresh_derived(self.model)
+        except BaseException as e:
+            self.receiver.forget_base(f"SGLang's loaders failed after refit {refit} ({type(e).__name__})")
+            raise
         self.mixed = False
         self.last_stats = {
             **stats.as_dict(),
@@ -128,6 +197,8 @@ class SglangReceiver:
             "kept_bytes": self.kept_bytes,
             "learn_seconds": self.learn_seconds,
             "pieces": len(self.learned.pieces),
+            "loader_tensors": len(loaded),
+            "delta": self.receiver.session.config.delta,
         }
         return self.last_stats
 

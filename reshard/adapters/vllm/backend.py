@@ -96,6 +96,9 @@ class ReshardInitInfo(WeightTransferInitInfo):
     budget_bytes: int = DEFAULT_BUDGET_BYTES
     atomic: bool = False
     shared_memory: bool = False
+    delta: bool = False
+    """Delta refits (``GroupConfig.delta``): each worker keeps a copy of the
+    slices it keeps and receives only what changed since the last refit."""
 
     def spec(self) -> GroupSpec:
         return GroupSpec.parse(asdict(self))
@@ -176,6 +179,9 @@ class ReshardEngine(WeightTransferEngine[ReshardInitInfo, ReshardUpdateInfo]):
 _GUARDED = (
     "init_weight_transfer_engine",
     "start_weight_update",
+    # reshard does not update draft models: every worker refuses, and without
+    # the guard their queued replies would answer the next call.
+    "start_draft_weight_update",
     "update_weights",
     "finish_weight_update",
     "shutdown_weight_transfer_engine",
@@ -230,18 +236,33 @@ def _describe(phase: str, failures: list[tuple[int, str]]) -> str:
     return f"reshard: {phase} failed; no worker keeps an update session open\n" + "\n".join(lines)
 
 
+def executor_rank(tp: tuple[int, int], pcp: tuple[int, int], pp: tuple[int, int]) -> tuple[int, int]:
+    """``(this worker, the last worker)`` in the order vLLM's executor reads
+    replies, from ``(rank, size)`` in the tensor-, prefill-context- and
+    pipeline-parallel groups: vLLM lays workers out PP x PCP x TP (TP
+    fastest), so an executor has ``pp * pcp * tp`` workers."""
+    (t, nt), (c, nc), (p, np_) = tp, pcp, pp
+    for name, (r, n) in (("tp", tp), ("pcp", pcp), ("pp", pp)):
+        if not 0 <= r < n:
+            raise ValueError(f"{name} rank {r} is outside a group of {n}")
+    return (p * nc + c) * nt + t, np_ * nc * nt - 1
+
+
 def _exchange_failures(error: BaseException | None) -> tuple[int, int, list[tuple[int, str]]]:
     """``(this worker, the last worker, failures)`` across the workers of this
-    engine (one executor: TP x PP), in the order the executor reads replies."""
-    from vllm.distributed.parallel_state import get_pp_group, get_tp_group
+    engine (one executor: PP x PCP x TP), in the order the executor reads replies."""
+    from vllm.distributed import parallel_state as ps
 
-    tp, pp = get_tp_group(), get_pp_group()
-    me = pp.rank_in_group * tp.world_size + tp.rank_in_group
-    last = tp.world_size * pp.world_size - 1
-    mine = [(me, f"{type(error).__name__}: {error}")] if error is not None else []
-    failures = mine
-    for group in (tp, pp):
-        if group.world_size > 1:
+    tp, pp = ps.get_tp_group(), ps.get_pp_group()
+    pcp = ps.get_pcp_group() if hasattr(ps, "get_pcp_group") else None
+    me, last = executor_rank(
+        (tp.rank_in_group, tp.world_size),
+        (pcp.rank_in_group, pcp.world_size) if pcp is not None else (0, 1),
+        (pp.rank_in_group, pp.world_size),
+    )
+    failures = [(me, f"{type(error).__name__}: {error}")] if error is not None else []
+    for group in (tp, pcp, pp):
+        if group is not None and group.world_size > 1:
             failures = _all_gather_failures(failures, group.cpu_group)
     return me, last, sorted(failures)
 
@@ -297,9 +318,15 @@ class ReshardTrainerInitInfo(TrainerInitInfo):
     """With ``shared_memory``: the trainer's CPU tensors move into shared
     memory once and colocated workers read them directly (one copy); see
     ``GroupConfig.export_sources``."""
-    pause_mode: str = "wait"
+    pause_mode: str | None = None
     """How a server pauses around a two-phase commit (vLLM's ``/pause``
-    modes): ``wait`` lets requests in flight finish on the old weights."""
+    modes); ``None``: the mode that fails no request on the server's vLLM
+    version (:func:`reshard.adapters.vllm.driver.pause_mode_for`)."""
+    delta: bool = False
+    """Delta refits: only the elements that changed since the last refit
+    move (``GroupConfig.delta``, ``docs/delta.md``)."""
+    delta_budget_bytes: int | None = None
+    """Bound on each trainer rank's snapshot of what it sent last (``GroupConfig.delta_budget_bytes``)."""
 
 
 class _OfflineClient:
@@ -348,8 +375,8 @@ class ReshardTrainerEngine(TrainerWeightTransferEngine[ReshardTrainerInitInfo]):
         module = getattr(source, "_module", source)
         if module is None:
             raise ValueError("the reshard trainer engine needs a source module (vLLM's ModuleSource or an nn.Module)")
-        if init_info.pause_mode not in ("wait", "keep", "abort"):
-            raise ValueError(f"pause_mode must be wait, keep or abort, got {init_info.pause_mode!r}")
+        if init_info.pause_mode not in (None, "wait", "keep", "abort"):
+            raise ValueError(f"pause_mode must be wait, keep, abort or None, got {init_info.pause_mode!r}")
         self = cls(client=weight_sync_client(client), source=source, is_sender=init_info.is_sender)
         cfg = GroupConfig(
             address=init_info.address,
@@ -362,11 +389,13 @@ class ReshardTrainerEngine(TrainerWeightTransferEngine[ReshardTrainerInitInfo]):
             host_store=False,
             shared_memory=init_info.shared_memory,
             export_sources=init_info.export_sources,
+            delta=init_info.delta,
+            delta_budget_bytes=init_info.delta_budget_bytes,
         )
         self.sender = Sender(module, config=cfg, rank=init_info.rank)
         self.refits = 0
         self.two_phase = init_info.two_phase
-        self.pause_mode = init_info.pause_mode
+        self.pause_mode = init_info.pause_mode or _server_pause_mode(self.client)
         if self.is_sender:
             spec = GroupSpec.of(cfg, **init_info.worker_init)
             worker = {k: v for k, v in msgspec.to_builtins(spec).items() if k not in ("token", "version")}
@@ -398,7 +427,7 @@ class ReshardTrainerEngine(TrainerWeightTransferEngine[ReshardTrainerInitInfo]):
                         with paused(client, self.pause_mode):
                             _call(client.update_weights, asdict(ReshardUpdateInfo(refit=refit, phase="commit")))
                             _call(client.finish_weight_update)
-                            reset_prefix_cache(client)
+                            reset_prefix_cache(client, running=self.pause_mode == "keep")
                         return
                     _call(client.finish_weight_update)
                     # Cached prefixes were computed with the old weights.
@@ -469,25 +498,51 @@ def paused(client: Any, mode: str) -> Iterator[None]:
     requests.post(f"{base_url}/resume", timeout=timeout).raise_for_status()
 
 
-def reset_prefix_cache(client: Any) -> None:
-    """Drop the engine's cached prefixes (computed with the old weights):
+def _server_pause_mode(client: Any) -> str:
+    """The pause mode for ``client``'s server (see :func:`reshard.adapters.vllm.driver.pause_mode_for`)."""
+    from reshard.adapters.vllm.driver import HttpEngine, pause_mode_for
+
+    base_url = getattr(client, "base_url", None)
+    if base_url is None:
+        return "wait"  # an offline engine or Ray actors: never paused
+    return pause_mode_for(HttpEngine(base_url, timeout_s=getattr(client, "timeout", 300)).version())
+
+
+def reset_prefix_cache(client: Any, *, running: bool = False) -> None:
+    """Drop the engine's cached prefixes (computed with the old weights), or
+    raise if it cannot (see :func:`reshard.adapters.vllm.driver.flush_prefix_cache`):
     ``POST /reset_prefix_cache`` for vLLM's HTTP client (a dev-mode route, as
     the weight-transfer routes are), ``reset_prefix_cache()`` for an offline
     ``LLM`` or every Ray actor."""
+    from reshard.adapters.vllm.driver import HttpEngine, flush_prefix_cache
+
     if isinstance(client, _OfflineClient):
-        client.llm.reset_prefix_cache()
+        flush_prefix_cache(client.llm)
         return
     base_url = getattr(client, "base_url", None)
     if base_url is not None:
-        import requests
-
-        requests.post(f"{base_url}/reset_prefix_cache", timeout=getattr(client, "timeout", 300)).raise_for_status()
+        flush_prefix_cache(HttpEngine(base_url, timeout_s=getattr(client, "timeout", 300)), running=running)
         return
     handles = getattr(client, "handles", None)
     if handles is not None:
+        for h in handles:
+            flush_prefix_cache(_RayEngine(h))
+
+
+class _RayEngine:
+    """One Ray engine actor, as :func:`flush_prefix_cache` calls it."""
+
+    def __init__(self, handle: Any) -> None:
+        self.handle = handle
+
+    def __repr__(self) -> str:
+        return f"RayEngine({self.handle!r})"
+
+    def reset_prefix_cache(self, running: bool = False) -> bool:
         import ray
 
-        ray.get([h.reset_prefix_cache.remote() for h in handles])
+        call = self.handle.reset_prefix_cache
+        return ray.get(call.remote(running) if running else call.remote())
 
 
 def _register() -> None:

@@ -16,6 +16,7 @@ when any worker failed.
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import time
@@ -31,7 +32,17 @@ from reshard.errors import MixedWeightsError, ReshardError
 from reshard.transport.group import GroupConfig
 from reshard.transport.session import DEFAULT_BUDGET_BYTES
 
-__all__ = ["HttpEngine", "VllmEngines", "commit_workers", "init_workers", "pull_workers", "stage_workers"]
+__all__ = [
+    "HttpEngine",
+    "VllmEngines",
+    "commit_workers",
+    "engine_state",
+    "flush_prefix_cache",
+    "init_workers",
+    "pause_mode_for",
+    "pull_workers",
+    "stage_workers",
+]
 
 log = logging.getLogger("reshard")
 
@@ -83,8 +94,45 @@ def commit_workers(engine, refit: int) -> list[WorkerReply]:
     return replies
 
 
+def engine_state(engine, *, probe: bool = True) -> list[dict[str, str]]:
+    """Per worker of ``engine`` (an offline ``LLM`` or :class:`HttpEngine`), a
+    digest of every tensor its forward pass may read, by module path
+    (:func:`reshard.adapters.core.state.model_state`). Compare a refit
+    engine's with one freshly loaded from the same weights with
+    :func:`reshard.adapters.core.state.compare_states`: the first path it
+    returns is where to look."""
+    return [dict(r) for r in engine.collective_rpc("reshard_state", args=(str(probe).lower(),))]
+
+
 def _replies(engine, method: str, *args: str) -> list[WorkerReply]:
     return [WorkerReply.parse(r) for r in engine.collective_rpc(method, args=args)]
+
+
+def pause_mode_for(version: str | None) -> str:
+    """The ``/pause`` mode that never fails a user's request because of a
+    refit, on vLLM ``version`` (``None``: unknown):
+
+    - 0.32 and older: ``wait``. Requests in flight finish on the old weights;
+      requests that arrive during the pause are queued and run on the new
+      ones.
+    - 0.33 and newer: ``keep``. Since 0.33 ``wait`` (and ``abort``) reject
+      requests that arrive during the pause with HTTP 503 (``Generation is
+      paused``, retryable); ``keep`` still queues them. Requests in flight are
+      frozen, their KV cache dropped with the prefix cache, and recomputed on
+      the new weights when the server resumes: their tokens so far came from
+      the old weights, the rest from the new.
+    """
+    if version is None:
+        return "keep"
+    parts = []
+    for piece in version.split(".")[:2]:
+        digits = "".join(itertools.takewhile(str.isdigit, piece))
+        if not digits:
+            return "keep"
+        parts.append(int(digits))
+    if len(parts) < 2:
+        return "keep"
+    return "wait" if tuple(parts) < (0, 33) else "keep"
 
 
 class HttpEngine:
@@ -93,6 +141,17 @@ class HttpEngine:
     def __init__(self, url: str, *, timeout_s: float = 600.0) -> None:
         self.url = url.rstrip("/")
         self.timeout_s = timeout_s
+        self._version: str | None = None
+
+    def version(self) -> str | None:
+        """The server's vLLM version (``GET /version``; ``None`` if it does not say)."""
+        if self._version is None:
+            try:
+                with urllib.request.urlopen(self.url + "/version", timeout=self.timeout_s) as resp:
+                    self._version = str(json.loads(resp.read()).get("version") or "") or None
+            except (OSError, ValueError) as e:
+                log.warning("vLLM server %s: GET /version failed (%s); assuming a recent vLLM", self.url, e)
+        return self._version
 
     def __repr__(self) -> str:
         return f"HttpEngine({self.url!r})"
@@ -121,16 +180,25 @@ class HttpEngine:
         out = self._post("/collective_rpc", body)
         return list((out or {}).get("results", []))
 
-    def pause(self, mode: str = "wait") -> None:
+    def pause(self, mode: str = "wait", *, clear_cache: bool = True) -> None:
         """``wait``: finish requests in flight first; ``keep``: freeze them
-        (they continue on the new weights); ``abort``: drop them."""
-        self._post(f"/pause?mode={mode}")
+        (they continue on the new weights); ``abort``: drop them.
+        ``clear_cache=False``: keep the KV and prefix caches (vLLM drops them
+        by default, which in ``keep`` mode preempts the frozen requests: they
+        are recomputed when they resume)."""
+        self._post(f"/pause?mode={mode}" + ("" if clear_cache else "&clear_cache=false"))
 
     def resume(self) -> None:
         self._post("/resume")
 
-    def reset_prefix_cache(self) -> None:
-        self._post("/reset_prefix_cache")
+    def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+        """vLLM's ``/reset_prefix_cache``: whether it dropped every cached
+        prefix (it cannot while requests hold KV blocks, unless
+        ``reset_running_requests``, which preempts them: they are computed
+        again when they run next)."""
+        query = "?reset_running_requests=true" if reset_running_requests else ""
+        out = self._post("/reset_prefix_cache" + query)
+        return bool((out or {}).get("success", True)) if isinstance(out, dict) else True
 
     def sleep(self, level: int = 1) -> None:
         """vLLM's ``/sleep`` (dev mode): level 1 offloads the weights and
@@ -161,7 +229,9 @@ class VllmEngines:
 
     ``pause_mode``: how requests in flight are handled around a swap on
     servers (``wait``, ``keep`` or ``abort``; offline engines generate only
-    when their owner calls them). ``budget_bytes`` caps each worker's
+    when their owner calls them). ``None``: per server, the mode that never
+    fails a request because of a refit on its vLLM version
+    (:func:`pause_mode_for`: ``wait`` on 0.32, ``keep`` from 0.33 on). ``budget_bytes`` caps each worker's
     staging. ``atomic``: every worker keeps all its old weights when a refit
     fails, at the cost of one materialized copy of its weights during the
     refit (see :meth:`reshard.adapters.vllm.receiver.VllmReceiver.pull`).
@@ -198,7 +268,7 @@ class VllmEngines:
         self,
         engines: Sequence[Any],
         *,
-        pause_mode: str = "wait",
+        pause_mode: str | None = None,
         budget_bytes: int = DEFAULT_BUDGET_BYTES,
         atomic: bool = False,
         two_phase: bool = False,
@@ -206,8 +276,8 @@ class VllmEngines:
         sleeping: bool = False,
         wake_kv_cache: bool = True,
     ) -> None:
-        if pause_mode not in ("wait", "keep", "abort"):
-            raise ValueError(f"pause_mode {pause_mode!r}: use 'wait', 'keep' or 'abort'")
+        if pause_mode not in (None, "wait", "keep", "abort"):
+            raise ValueError(f"pause_mode {pause_mode!r}: use 'wait', 'keep', 'abort' or None")
         self.engines = [HttpEngine(e) if isinstance(e, str) else e for e in engines]
         if not self.engines:
             raise ValueError("VllmEngines needs at least one engine")
@@ -222,6 +292,12 @@ class VllmEngines:
         self.workers: list[list[WorkerReply]] = []
         self.config: GroupConfig | None = None
         self._kept: dict[int, int] = {}
+
+    def _pause_mode(self, engine: Any) -> str:
+        """The ``/pause`` mode for ``engine`` (a server)."""
+        if self.pause_mode is not None:
+            return self.pause_mode
+        return pause_mode_for(engine.version() if isinstance(engine, HttpEngine) else None)
 
     def _can_stage(self, engine: Any) -> bool:
         """Whether each of ``engine``'s workers may stage what it keeps."""
@@ -268,8 +344,9 @@ class VllmEngines:
                 # here leaves its weights untouched and raises.
                 stage_workers(e, refit, method=method)
             t_pause = time.perf_counter()
+            mode = self._pause_mode(e) if server else ""
             if server and not kv_asleep:
-                e.pause(self.pause_mode)
+                e.pause(mode)
             replies: list[WorkerReply] = []
             try:
                 if staged:
@@ -278,7 +355,7 @@ class VllmEngines:
                     replies = _pull_replies(e, refit, method, None)
                 # Cached prefixes were computed with the old weights (and, after a
                 # failed refit, the engine kept those weights: flushing is harmless).
-                e.reset_prefix_cache()
+                flush_prefix_cache(e, running=mode == "keep")
             finally:
                 if any(r.mixed for r in replies):
                     mixed.append(e)
@@ -308,6 +385,27 @@ class VllmEngines:
             return [r for replies in fan_out(self.engines, one, name="reshard-pull") for r in replies]
         finally:
             self.mixed = mixed
+
+
+def flush_prefix_cache(engine: Any, *, running: bool = False, timeout_s: float = 60.0) -> None:
+    """Drop every prefix ``engine`` (an offline ``LLM`` or :class:`HttpEngine`)
+    cached with its old weights, or raise. vLLM refuses while a request holds
+    KV blocks (it answers ``false``, and a prefix computed with the old
+    weights would be served again), so this retries until the blocks are
+    free. ``running``: preempt requests that hold blocks (a server paused in
+    ``keep`` mode): they are recomputed on the new weights when they resume."""
+    deadline = time.monotonic() + timeout_s
+    wait = 0.01
+    while True:
+        if engine.reset_prefix_cache(running) is not False:
+            return
+        if time.monotonic() >= deadline:
+            raise ReshardError(
+                f"engine {engine!r} still holds KV blocks after {timeout_s:.0f} s, so it cannot drop the prefixes "
+                "it cached with the old weights (requests still running?): its next requests could reuse them"
+            )
+        time.sleep(wait)
+        wait = min(0.5, wait * 2)
 
 
 def _is_sleeping(engine: Any) -> bool:

@@ -22,6 +22,12 @@ strings only:
   applies it, with generation paused (see
   :meth:`reshard.adapters.vllm.receiver.VllmReceiver.stage`).
 - ``reshard_status()``, ``reshard_stats()``, ``reshard_close()``.
+- ``reshard_state(probe=True)``: a digest of every tensor the model's
+  forward pass may read (parameters, buffers, tensors derived at load time
+  such as repacked kernel weights, absorbed MLA matrices, each linear
+  layer's output on a fixed input), by module path: compare it with a fresh
+  engine's on the same weights (:func:`reshard.adapters.core.state.compare_states`)
+  to prove a refit left nothing stale.
 
 Every method returns a :class:`reshard.adapters.core.replies.WorkerReply`
 as a dict and never raises: vLLM 0.32's multiprocess executor stops reading
@@ -85,7 +91,7 @@ class ReshardWorkerExtension:
     def reshard_pull(
         self, refit: int | str, method: str = "reshard", atomic: bool | str | None = None
     ) -> dict[str, Any]:
-        return self._reshard_call(lambda r: r.pull(int(refit), method=method, atomic=_flag(atomic)))
+        return self._reshard_call(lambda r: self._updated(r.pull(int(refit), method=method, atomic=_flag(atomic))))
 
     def reshard_stage(self, refit: int | str, method: str = "reshard") -> dict[str, Any]:
         return self._reshard_call(lambda r: r.stage(int(refit), method=method) or {"staging": int(refit)})
@@ -94,7 +100,17 @@ class ReshardWorkerExtension:
         return self._reshard_call(lambda r: {"staged": r.staging_state(int(refit))})
 
     def reshard_commit(self, refit: int | str) -> dict[str, Any]:
-        return self._reshard_call(lambda r: r.commit(int(refit)))
+        return self._reshard_call(lambda r: self._updated(r.commit(int(refit))))
+
+    def _updated(self, stats: dict[str, Any]) -> dict[str, Any]:
+        """After the live weights changed: refresh what vLLM's own
+        ``finish_weight_update`` refreshes (``model_runner.reset_lora_state``:
+        LoRA adapters computed against the old weights, and in vLLM 0.33
+        quantized draft heads of speculative decoding), where it exists."""
+        reset = getattr(self.model_runner, "reset_lora_state", None)
+        if reset is not None:
+            reset()
+        return stats
 
     def _reshard_call(self, fn) -> dict[str, Any]:
         """``fn(receiver)``'s stats as a reply (a failure reply if it raised)."""
@@ -106,6 +122,17 @@ class ReshardWorkerExtension:
         except BaseException as e:
             reply = failure(e, rank=self._reshard_rank(), mixed=bool(r is not None and r.mixed))
         return reply.to_builtins()
+
+    def _reshard_model(self):
+        """The model vLLM runs, unwrapped (on GPU the runner may hold it in a
+        CUDA-graph wrapper; ``get_model()`` is what vLLM's own loaders use)."""
+        runner = self.model_runner
+        return runner.get_model() if hasattr(runner, "get_model") else runner.model
+
+    def reshard_state(self, probe: bool | str = True) -> dict[str, str]:
+        from reshard.adapters.core.state import model_state
+
+        return model_state(self._reshard_model(), probe=bool(_flag(probe)))
 
     def reshard_status(self) -> dict[str, Any]:
         """``stats``: ``{"ready": joined, "refit": last good refit}``; ``mixed``:
@@ -125,7 +152,7 @@ class ReshardWorkerExtension:
             old.close()
         rank = spec.rank_of(int(self.rank))
         self._reshard = r = VllmReceiver(
-            self.model_runner.model,
+            self._reshard_model(),
             self.vllm_config.model_config,
             config=spec.config(),
             rank=rank,

@@ -4,19 +4,19 @@ A dry run, once per engine worker (see :mod:`reshard.adapters.core.recording`):
 inside vLLM's layerwise reload lifecycle every parameter is a meta tensor of
 its checkpoint-loading shape, so the model's own ``load_weights`` runs on
 meta stand-ins for the checkpoint tensors and every write is recorded. No
-memory is used: it is all meta. Afterwards the lifecycle is finalized and the
-model is back to its live weights.
+memory is used: it is all meta. Afterwards every layer gets its live tensors
+back, and none is processed again (see
+:func:`reshard.adapters.vllm.lifecycle.restore_unprocessed`).
 """
 
 from __future__ import annotations
 
-import contextlib
-import logging
 from collections import defaultdict
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from reshard.adapters.core.recording import LearnedLayout, record_loads
+from reshard.adapters.vllm.lifecycle import restore_unprocessed
 from reshard.plan.layout import TensorMeta
 
 if TYPE_CHECKING:
@@ -25,27 +25,14 @@ if TYPE_CHECKING:
 __all__ = ["learn_layout"]
 
 
-@contextlib.contextmanager
-def _quiet(names: Iterable[str]):
-    loggers = [logging.getLogger(n) for n in names]
-    levels = [lg.level for lg in loggers]
-    for lg in loggers:
-        lg.setLevel(logging.ERROR)
-    try:
-        yield
-    finally:
-        for lg, lv in zip(loggers, levels, strict=True):
-            lg.setLevel(lv)
-
-
-def learn_layout(model: torch.nn.Module, model_config, tensors: Iterable[TensorMeta]) -> LearnedLayout:
+def learn_layout(model: torch.nn.Module, tensors: Iterable[TensorMeta]) -> LearnedLayout:
     """Dry-run ``model.load_weights`` on meta tensors and record where each
-    checkpoint box lands. The model is back to its live weights afterwards."""
+    checkpoint box lands. The model is back to its live weights afterwards,
+    and no layer is processed again (nothing was written)."""
     from vllm.model_executor.model_loader.reload import layerwise
 
     params: dict[int, tuple[str, torch.Tensor]] = {}
     layers: dict[str, list[str]] = defaultdict(list)
-    quiet = ["vllm.model_executor.model_loader.reload.layerwise", "vllm.model_executor.model_loader.reload"]
     layerwise.initialize_layerwise_reload(model)
     try:
         for mod_name, mod in model.named_modules():
@@ -64,5 +51,4 @@ def learn_layout(model: torch.nn.Module, model_config, tensors: Iterable[TensorM
         # performs no write into any of them.
         return record_loads(params, layers, tensors, model.load_weights, strict=False)  # type: ignore[arg-type]
     finally:
-        with _quiet(quiet):
-            layerwise.finalize_layerwise_reload(model, model_config)
+        restore_unprocessed(model)

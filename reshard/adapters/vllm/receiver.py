@@ -30,16 +30,21 @@ the worker keeps (:attr:`VllmReceiver.kept_bytes`), kept for the next refit.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from reshard.adapters.core.recording import LearnedLayout
+from reshard.adapters.core.recording import LOADER_PREFIX, LearnedLayout
 from reshard.adapters.vllm.layout import learn_layout
+from reshard.adapters.vllm.lifecycle import (
+    followers,
+    released_kernels_adopted,
+)
+from reshard.adapters.vllm.update import LayerwiseUpdate
 from reshard.errors import MixedWeightsError, ReshardError
-from reshard.plan.items import RankPlan
 from reshard.plan.layout import TensorMeta
 from reshard.plan.specs import build_layout
 from reshard.receiver import Receiver
@@ -49,7 +54,7 @@ from reshard.transport.session import DEFAULT_BUDGET_BYTES
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["VllmReceiver", "canonical_tensors_of"]
+__all__ = ["VllmReceiver", "canonical_tensors_of", "vllm_pg_env"]
 
 
 def canonical_tensors_of(model_config, vllm_config=None) -> list[TensorMeta]:
@@ -66,6 +71,18 @@ def canonical_tensors_of(model_config, vllm_config=None) -> list[TensorMeta]:
     dtype = str(model_config.dtype).removeprefix("torch.")
     with vllm_context(vllm_config), _compile_ignored():
         return canonical_tensors(model_config.hf_config.to_dict(), dtype=dtype)
+
+
+def vllm_pg_env():
+    """vLLM's ``unpinned_nccl_env`` (``None`` where this vLLM has none): the
+    context vLLM creates communicators shared with other processes in, so the
+    NCCL settings it pins in its workers (``VLLM_BATCH_INVARIANT``) do not
+    apply to them (see :attr:`reshard.transport.group.GroupConfig.pg_env`)."""
+    try:
+        from vllm.utils.nccl import unpinned_nccl_env
+    except ImportError:
+        return None
+    return unpinned_nccl_env
 
 
 @contextlib.contextmanager
@@ -117,16 +134,6 @@ class _Staging:
         return self.thread is not None and not self.thread.is_alive()
 
 
-@dataclass(slots=True)
-class _Layer:
-    name: str
-    module: Any
-    params: list[str]
-    release_round: int = -1
-    materialized: bool = False
-    processed: bool = False
-
-
 class VllmReceiver:
     """Learns this worker's layout once, then pulls refits into the live engine."""
 
@@ -154,7 +161,7 @@ class VllmReceiver:
         t0 = time.perf_counter()
         with vllm_context(vllm_config):
             metas = tensors if tensors is not None else canonical_tensors_of(model_config, vllm_config)
-            self.learned: LearnedLayout = learn_layout(model, model_config, metas)
+            self.learned: LearnedLayout = learn_layout(model, metas)
         self.learn_seconds = time.perf_counter() - t0
         problems = self.learned.problems()
         if problems:
@@ -164,7 +171,9 @@ class VllmReceiver:
             )
         self.layout = build_layout(rank, self.learned.pieces)
         self.modules = dict(model.named_modules())
-        self.followers = _followers(self.modules, set(self.learned.layers))
+        if config.pg_env is None:
+            config = dataclasses.replace(config, pg_env=vllm_pg_env())
+        self.followers = followers(self.modules, set(self.learned.layers))
         self.rank = rank
         self.receiver = Receiver(
             {},
@@ -174,10 +183,25 @@ class VllmReceiver:
             device=device,
             budget_bytes=budget_bytes,
             check_tensors=False,
+            # With deltas the base is the staging buffers, which only reshard writes.
+            private_base=True,
         )
         self.last_stats: dict[str, Any] = {}
         self._staging: _Staging | None = None
         self._buffers: dict[str, torch.Tensor] | None = None
+        self._loader_buffers: dict[str, torch.Tensor] = {}
+
+    def loader_buffer(self, local: str) -> torch.Tensor:
+        """The buffer loader tensor ``local`` is received into: the
+        checkpoint tensor's shape, zero outside the region its loader reads;
+        kept for the next refit."""
+        buf = self._loader_buffers.get(local)
+        if buf is None:
+            import torch
+
+            meta = self.learned.via_loader[local.removeprefix(LOADER_PREFIX)].tensor
+            buf = self._loader_buffers[local] = torch.zeros(meta.shape, dtype=getattr(torch, meta.dtype))
+        return buf
 
     @property
     def kept_bytes(self) -> int:
@@ -201,7 +225,9 @@ class VllmReceiver:
 
     def _pull(self, refit: int, method: str, atomic: bool) -> dict[str, Any]:
         self._wait_staging()
-        update = _Update(self, refit)
+        if self.delta:
+            return self._pull_delta(refit, method, atomic)
+        update = LayerwiseUpdate(self, refit)
         t0 = time.perf_counter()
         with self._applying(update):
             stats = self.receiver.pull(
@@ -219,9 +245,82 @@ class VllmReceiver:
             "refit_seconds": time.perf_counter() - t0,
             "kept_bytes": self.kept_bytes,
             "layers_processed": update.n_processed,
+            "loader_tensors": update.n_loaded,
             "atomic": atomic,
         }
         return self.last_stats
+
+    # -- delta refits ----------------------------------------------------------
+
+    @property
+    def delta(self) -> bool:
+        """Delta refits (``GroupConfig.delta``): the staging buffers are this
+        worker's base, patched by every refit and applied from, layers whose
+        buffers changed only."""
+        return self.receiver.session.config.delta
+
+    def _pull_delta(self, refit: int, method: str, atomic: bool) -> dict[str, Any]:
+        """A delta refit, in place: receive into the staging buffers (the
+        base the deltas patch) and apply the layers whose buffers changed
+        from them, as a commit does: each as soon as its last round landed,
+        while later rounds are on the way, or (``atomic``) once every rank
+        reported a complete transfer, so that a failed refit leaves every old
+        weight in place."""
+        t0 = time.perf_counter()
+        buffers = self._staging_buffers()
+        if atomic:
+            stats = self.receiver.pull(refit, method=method, destinations=buffers)
+            received = time.perf_counter() - t0
+            update = self._apply(refit, stats.touched)
+        else:
+            update = LayerwiseUpdate(self, refit)
+            touched: set[str] = set()
+            try:
+                with self._applying(update):
+                    stats = self.receiver.pull(
+                        refit,
+                        method=method,
+                        destinations=buffers,
+                        before_transfer=update.begin,
+                        after_round=lambda i: update.load_released(buffers, touched, i),
+                        touched=touched,
+                    )
+                    received = time.perf_counter() - t0
+                    update.load_from(buffers, None if stats.touched is None else set(stats.touched))
+                    update.end()
+            except BaseException as e:
+                self.receiver.forget_base(f"applying refit {refit} failed on this engine ({type(e).__name__})")
+                raise
+        self.last_stats = {
+            **stats.as_dict(),
+            "apply_seconds": update.process_seconds,
+            "refit_seconds": time.perf_counter() - t0,
+            "stage_seconds": received,
+            "kept_bytes": self.kept_bytes,
+            "staging_bytes": self.staging_bytes,
+            "layers_processed": update.n_processed,
+            "layers_skipped": len(update.skipped),
+            "loader_tensors": update.n_loaded,
+            "atomic": atomic,
+            "delta": True,
+        }
+        return self.last_stats
+
+    def _apply(self, refit: int, changed: frozenset[str] | None) -> LayerwiseUpdate:
+        """vLLM's layerwise reload from the staging buffers: the layers whose
+        buffers changed (``changed``; ``None``: all). If it fails, the
+        engine's weights no longer follow the buffers, so the next delta
+        refit is dense and applies every layer."""
+        assert self._buffers is not None
+        update = LayerwiseUpdate(self, refit)
+        try:
+            with self._applying(update):
+                update.load_from(self._buffers, None if changed is None else set(changed))
+                update.end()
+        except BaseException as e:
+            self.receiver.forget_base(f"applying refit {refit} failed on this engine ({type(e).__name__})")
+            raise
+        return update
 
     # -- two-phase refits ------------------------------------------------------
 
@@ -240,9 +339,12 @@ class VllmReceiver:
             dtypes: dict[str, str] = {}
             for p in self.learned.pieces:
                 dtypes.setdefault(p.local, p.local_dtype or p.tensor.dtype)
+            # Parameters only a loader tensor writes need no buffer: the
+            # loader runs on the staged loader tensor.
             self._buffers = {
-                name: torch.zeros(shape, dtype=getattr(torch, dtypes.get(name, _model_dtype(self.model_config))))
+                name: torch.zeros(shape, dtype=getattr(torch, dtypes[name]))
                 for name, shape in self.learned.local_shapes.items()
+                if name in dtypes
             }
         return self._buffers
 
@@ -305,11 +407,8 @@ class VllmReceiver:
             raise ReshardError(f"engine rank {self.rank}: refit {refit} is still being staged")
         assert job is not None and self._buffers is not None
         with vllm_context(self.vllm_config):
-            update = _Update(self, refit)
             t0 = time.perf_counter()
-            with self._applying(update):
-                update.load_from(self._buffers)
-                update.end()
+            update = self._apply(refit, job.stats.touched)
         self._staging = None
         apply_s = time.perf_counter() - t0
         self.last_stats = {
@@ -320,17 +419,23 @@ class VllmReceiver:
             "kept_bytes": self.kept_bytes,
             "staging_bytes": self.staging_bytes,
             "layers_processed": update.n_processed,
+            "loader_tensors": update.n_loaded,
+            "layers_skipped": len(update.skipped),
             "atomic": True,
             "two_phase": True,
+            "delta": self.delta,
         }
         return self.last_stats
 
     @contextlib.contextmanager
-    def _applying(self, update: _Update) -> Iterator[None]:
-        """Run ``update``; if it fails, put back the old weights of every layer
-        not yet processed and record whether this worker is now mixed."""
+    def _applying(self, update: LayerwiseUpdate) -> Iterator[None]:
+        """Run ``update`` (live tensors released after loading take the new
+        values, see :func:`reshard.adapters.vllm.lifecycle.adopt_released_kernels`);
+        if it fails, put back the old weights of every layer not yet processed
+        and record whether this worker is now mixed."""
         try:
-            yield
+            with released_kernels_adopted():
+                yield
         except BaseException as e:
             try:
                 update.abort(e)
@@ -350,214 +455,7 @@ class VllmReceiver:
         self._buffers = None
 
 
-def _model_dtype(model_config) -> str:
-    return str(model_config.dtype).removeprefix("torch.")
-
-
 def _itemsize(dtype: str) -> int:
     from reshard.plan.layout import dtype_size
 
     return dtype_size(dtype)
-
-
-class _Update:
-    """State of one refit inside vLLM's layerwise reload lifecycle."""
-
-    def __init__(self, owner: VllmReceiver, refit: int) -> None:
-        self.owner = owner
-        self.refit = refit
-        self.started = False
-        self.layers: dict[str, _Layer] = {}
-        self.layer_of: dict[str, _Layer] = {}
-        for mod_name, params in owner.learned.layers.items():
-            layer = _Layer(mod_name, owner.modules[mod_name], params)
-            self.layers[mod_name] = layer
-            for p in params:
-                self.layer_of[p] = layer
-        self.tensors = _LazyParams(self)
-        self.process_seconds = 0.0
-        self.n_processed = 0
-
-    def begin(self, plan: RankPlan | None = None) -> None:
-        """Every rank agreed to go ahead: enter vLLM's reload lifecycle."""
-        from vllm.model_executor.model_loader.reload import layerwise
-
-        if plan is not None:
-            for rnd in plan.rounds:
-                touched = [t.dst.local for ts in rnd.recvs.values() for t in ts]
-                touched += [t.dst.local for t in rnd.copies]
-                touched += [t.src.local for ts in rnd.sends.values() for t in ts if t.kind == "fwd"]
-                for local in touched:
-                    layer = self.layer_of.get(local)
-                    if layer is not None:
-                        layer.release_round = max(layer.release_round, rnd.index)
-        layerwise.initialize_layerwise_reload(self.owner.model)
-        self.started = True
-
-    def param(self, local: str, *, zero: bool = True) -> torch.Tensor:
-        """The (materialized) parameter ``local`` to write into (zeroed when
-        its layer is materialized, unless ``zero=False``: the caller
-        overwrites all of it)."""
-        import torch
-        from vllm.model_executor.model_loader.reload import layerwise
-
-        if not self.started:
-            self.begin()
-        layer = self.layer_of.get(local)
-        if layer is None:
-            raise KeyError(f"engine rank {self.owner.rank}: {local!r} is not a parameter this worker learned")
-        if layer.processed:
-            raise ReshardError(f"{local!r} written after its layer {layer.name!r} was processed")
-        if not layer.materialized:
-            info = layerwise.LAYERWISE_INFO[layer.module]
-            layerwise.materialize_layer(layer.module, info)
-            if zero:
-                with torch.no_grad():
-                    for p in layer.params:
-                        _attr(self.owner.modules, p).zero_()
-            layer.materialized = True
-        return _attr(self.owner.modules, local).data
-
-    def load_from(self, buffers: Mapping[str, torch.Tensor]) -> None:
-        """Load every layer from ``buffers`` (parameter name -> tensor of its
-        checkpoint-loading shape), processing each as soon as it is loaded,
-        so at most one layer is materialized besides the buffers."""
-        import torch
-
-        self.begin()
-        with torch.no_grad():
-            for layer in self.layers.values():
-                full = all(p in buffers for p in layer.params)
-                for p in layer.params:
-                    dst = self.param(p, zero=not full)
-                    src = buffers.get(p)
-                    if src is not None:
-                        dst.copy_(src)
-                self._process(layer)
-
-    def after_round(self, index: int) -> None:
-        for layer in self.layers.values():
-            if layer.materialized and not layer.processed and layer.release_round <= index:
-                self._process(layer)
-
-    def _process(self, layer: _Layer) -> None:
-        from vllm.model_executor.model_loader.reload import layerwise
-
-        t0 = time.perf_counter()
-        info = layerwise.LAYERWISE_INFO[layer.module]
-        layerwise._layerwise_process(layer.module, info)
-        _repack_cpu_experts(layer.module)
-        layer.processed = True
-        self.n_processed += 1
-        self.process_seconds += time.perf_counter() - t0
-
-    def end(self) -> None:
-        from vllm.model_executor.model_loader.reload import layerwise
-
-        for layer in self.layers.values():
-            if layer.materialized and not layer.processed:
-                self._process(layer)
-        missing = [layer.name for layer in self.layers.values() if not layer.processed]
-        if self.started:
-            layerwise.finalize_layerwise_reload(self.owner.model, self.owner.model_config)
-            self.started = False
-            for name in self.owner.followers:
-                _reprocess(self.owner.modules[name])
-        if missing:
-            raise MixedWeightsError(
-                "apply",
-                {
-                    self.owner.rank: f"layers {missing[:5]} received nothing in this refit and keep their old "
-                    "weights; the others took the new ones"
-                },
-                version=self.refit,
-            )
-
-    def abort(self, error: BaseException) -> None:
-        """A refit failed: put back the old weights of every layer not yet processed."""
-        if not self.started:
-            return
-        from vllm.model_executor.model_loader.reload import layerwise
-
-        for layer in self.layers.values():
-            if not layer.processed:
-                info = layerwise.LAYERWISE_INFO[layer.module]
-                if info.kernel_tensors is not None:
-                    layerwise._place_kernel_tensors(layer.module, info)
-                info.reset()
-        layerwise.finalize_layerwise_reload(self.owner.model, self.owner.model_config)
-        self.started = False
-        done = sum(1 for layer in self.layers.values() if layer.processed)
-        if done:
-            # Some layers already carry the new weights: say so loudly.
-            raise MixedWeightsError(
-                getattr(error, "step", "apply"),
-                {
-                    self.owner.rank: f"refit failed after {done} of {len(self.layers)} layers took the new "
-                    f"weights; the engine now mixes old and new weights until a refit succeeds ({error})"
-                },
-                version=self.refit,
-            ) from error
-
-
-def _followers(modules: dict[str, Any], updated: set[str]) -> list[str]:
-    """Modules that share a live tensor with a module we update but load
-    nothing themselves (a tied ``lm_head``). vLLM's reload never processes
-    them again, so whatever they derived from the shared weight (the CPU
-    ``lm_head`` packs its own copy for its matmul) goes stale."""
-    owners: dict[int, set[str]] = {}
-    for name, mod in modules.items():
-        for t in list(mod._parameters.values()) + list(mod._buffers.values()):
-            if t is not None and t.numel() and not t.is_meta:
-                owners.setdefault(t.untyped_storage().data_ptr(), set()).add(name)
-    out = set()
-    for names in owners.values():
-        if names & updated:
-            out |= {n for n in names - updated if getattr(modules[n], "quant_method", None) is not None}
-    return sorted(out)
-
-
-def _reprocess(module) -> None:
-    qm = getattr(module, "quant_method", None)
-    if qm is not None and hasattr(qm, "process_weights_after_loading"):
-        qm.process_weights_after_loading(module)
-
-
-def _repack_cpu_experts(module) -> None:
-    """vLLM 0.32 on CPU prepacks MoE expert weights into its grouped-GEMM
-    layout only on the first load; on a weight update it copies the
-    checkpoint-layout weights over the packed ones, and its own reload then
-    serves garbage. Pack again, as the first load does."""
-    from vllm.platforms import current_platform
-
-    if not current_platform.is_cpu():
-        return
-    kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
-    experts = getattr(kernel, "fused_experts", None)
-    if experts is not None and type(experts).__module__.endswith("cpu_moe"):
-        experts.process_weights_after_loading(module)
-
-
-def _attr(modules: dict[str, Any], full: str):
-    mod, _, name = full.rpartition(".")
-    return getattr(modules[mod], name)
-
-
-class _LazyParams(Mapping):
-    """Local name -> parameter data, materializing layers on first use."""
-
-    reshard_lazy = True
-    """Checked tensor by tensor as a refit touches them (materializing them
-    all up front would defeat the layerwise reload)."""
-
-    def __init__(self, update: _Update) -> None:
-        self.update = update
-
-    def __getitem__(self, key: str):
-        return self.update.param(key)
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self.update.layer_of)
-
-    def __len__(self) -> int:
-        return len(self.update.layer_of)

@@ -1,0 +1,144 @@
+"""vLLM's layerwise reload lifecycle, as a refit needs it: the corrections
+reshard applies so that a refit lands what a fresh engine would hold.
+
+Each function exists because vLLM 0.32's own reload leaves something
+stale or fails on CPU (the same code is in 0.33); each has a test:
+
+- :func:`adopt_released_kernels`: a layer whose live tensor another layer
+  released after loading (on CPUs with AMX, MLA attention packs its own
+  copies of ``kv_b_proj.weight`` and replaces that weight with an empty
+  tensor) cannot take the reloaded values by an in-place copy; vLLM's reload
+  fails there ("the size of tensor a (0) must match ..."). The reloaded
+  tensor becomes the kernel tensor's data instead, so the attention layer
+  packs the new values when it is processed, as after a fresh load.
+- :func:`restore_unprocessed`: leave the lifecycle after a dry run that
+  wrote nothing, without processing any layer again (processing MLA
+  attention then would read the released ``kv_b_proj``).
+- :func:`repack_cpu_experts`: CPU MoE experts are prepacked only on the
+  first load.
+- :func:`followers`, :func:`reprocess`: a tied ``lm_head`` is never
+  processed again by the reload, so its CPU-packed copy goes stale.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = [
+    "adopt_released_kernels",
+    "followers",
+    "released_kernels_adopted",
+    "repack_cpu_experts",
+    "reprocess",
+    "restore_unprocessed",
+]
+
+log = logging.getLogger(__name__)
+
+
+def adopt_released_kernels(layer: torch.nn.Module, info: Any) -> list[str]:
+    """Once ``layer`` is processed, before its values are copied into its
+    live (kernel) tensors: every kernel tensor whose shape differs from the
+    processed one (something released or replaced it after the last load)
+    takes the processed tensor as its data, instead of an in-place copy that
+    cannot fit. Returns the names adopted."""
+    kernels = getattr(info, "kernel_tensors", None)
+    if kernels is None:
+        return []
+    adopted = []
+    for table in kernels:
+        for name, kernel in table.items():
+            fresh = getattr(layer, name, None)
+            if fresh is None or fresh is kernel or fresh.is_meta or kernel.shape == fresh.shape:
+                continue
+            kernel.data = fresh.data
+            adopted.append(name)
+    if adopted:
+        log.debug("%s: released kernel tensors %s take the reloaded values", type(layer).__name__, adopted)
+    return adopted
+
+
+@contextlib.contextmanager
+def released_kernels_adopted() -> Iterator[None]:
+    """vLLM's own layerwise processing, with :func:`adopt_released_kernels`
+    applied to every layer it processes, for the length of the block (a
+    reload through vLLM's own ``reload_weights``; reshard's receiver calls
+    the function itself)."""
+    from vllm.model_executor.model_loader.reload import layerwise
+
+    original = layerwise._copy_and_restore_kernel_tensors
+
+    def copy_and_restore(layer, info):
+        adopt_released_kernels(layer, info)
+        return original(layer, info)
+
+    layerwise._copy_and_restore_kernel_tensors = copy_and_restore
+    try:
+        yield
+    finally:
+        layerwise._copy_and_restore_kernel_tensors = original
+
+
+def restore_unprocessed(model: torch.nn.Module) -> None:
+    """Leave the layerwise reload lifecycle after a dry run that wrote
+    nothing: every layer gets its live tensors back and no layer is
+    processed again."""
+    from vllm.model_executor.model_loader.reload import layerwise
+
+    if hasattr(model, "_original_do_torchao_reload"):
+        model._do_torchao_reload = model._original_do_torchao_reload
+    for layer in model.modules():
+        info = layerwise.LAYERWISE_INFO.get(layer)
+        if info is None or not info.can_load():
+            continue
+        if info.kernel_tensors is not None:
+            layerwise._place_kernel_tensors(layer, info)
+        for t in list(layer._parameters.values()) + list(layer._buffers.values()):
+            if t is not None and hasattr(t, "weight_loader"):
+                t.weight_loader = layerwise._get_original_loader(t)
+        info.reset()
+    layerwise.LOADING_LAYERS.clear()
+
+
+def followers(modules: dict[str, Any], updated: set[str]) -> list[str]:
+    """Modules that share a live tensor with a module we update but load
+    nothing themselves (a tied ``lm_head``). vLLM's reload never processes
+    them again, so whatever they derived from the shared weight (the CPU
+    ``lm_head`` packs its own copy for its matmul) goes stale."""
+    owners: dict[int, set[str]] = {}
+    for name, mod in modules.items():
+        for t in list(mod._parameters.values()) + list(mod._buffers.values()):
+            if t is not None and t.numel() and not t.is_meta:
+                owners.setdefault(t.untyped_storage().data_ptr(), set()).add(name)
+    out = set()
+    for names in owners.values():
+        if names & updated:
+            out |= {n for n in names - updated if getattr(modules[n], "quant_method", None) is not None}
+    return sorted(out)
+
+
+def reprocess(module) -> None:
+    qm = getattr(module, "quant_method", None)
+    if qm is not None and hasattr(qm, "process_weights_after_loading"):
+        qm.process_weights_after_loading(module)
+
+
+def repack_cpu_experts(module) -> None:
+    """vLLM 0.32 on CPU prepacks MoE expert weights into its grouped-GEMM
+    layout only on the first load; on a weight update it copies the
+    checkpoint-layout weights over the packed ones, and its own reload then
+    serves garbage. Pack again, as the first load does."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return
+    kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
+    experts = getattr(kernel, "fused_experts", None)
+    if experts is not None and type(experts).__module__.endswith("cpu_moe"):
+        experts.process_weights_after_loading(module)
