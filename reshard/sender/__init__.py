@@ -4,8 +4,10 @@ Call order (every trainer rank, collectively with every engine worker):
 
 1. ``sender = Sender(model, config=GroupConfig(...))`` - reads what this rank
    holds: DTensor parameters (FSDP2 ``fully_shard``, TP) from their mesh and
-   placements, plain tensors as replicas, fused transformers parameters split
-   into checkpoint tensors; or explicit :class:`PieceSpec` records
+   placements, DeepSpeed ZeRO-3 partitions and FSDP1 flat parameters from
+   their own records (:mod:`reshard.sender.trainers`), plain tensors as
+   replicas, fused transformers parameters split into checkpoint tensors;
+   or explicit :class:`PieceSpec` records
    (:meth:`Sender.from_pieces`, used by the Megatron adapter).
 2. ``sender.push(n)`` for refits ``n = 1, 2, ...``: joins the refit group on
    first use, then plans and sends. Every engine worker calls its receiver's
@@ -23,7 +25,8 @@ from typing import TYPE_CHECKING, Any
 from reshard.plan.layout import Layout
 from reshard.plan.specs import GridSpec, PieceSpec, build_layout
 from reshard.sender.engines import Engines, EngineStats
-from reshard.sender.pieces import default_rename, describe_module
+from reshard.sender.pieces import default_rename
+from reshard.sender.trainers import describe_trainer
 from reshard.transport.group import GroupConfig
 from reshard.transport.session import DEFAULT_BUDGET_BYTES, RefitSession, RefitStats
 
@@ -59,7 +62,7 @@ class Sender:
         to its checkpoint name (``None`` skips it; the default strips FSDP,
         DDP and ``torch.compile`` prefixes). ``model_type``: the transformers
         model type whose checkpoint conversion splits fused parameters
-        (default: ``source.config.model_type`` when present).
+        (default: the unwrapped model's ``config.model_type`` when present).
         ``source_rank_of`` maps a DTensor mesh rank (a rank of the trainer's
         default group) to its refit rank (default: the same number).
         ``progress``: draw a progress line during long refits (default: on
@@ -68,9 +71,7 @@ class Sender:
             rank = default_rank()
         if rank >= config.num_sources:
             raise ValueError(f"trainer rank {rank} but the refit group has {config.num_sources} source ranks")
-        if model_type is None:
-            model_type = getattr(getattr(source, "config", None), "model_type", None)
-        self._describe: Callable[[], tuple] | None = lambda: describe_module(
+        self._describe: Callable[[], tuple] | None = lambda: describe_trainer(
             source,
             rank=rank,
             rename=rename,

@@ -13,10 +13,10 @@ are made of, each intersected with this rank's local box.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
-from reshard.models.names import CheckpointNames
+from reshard.models.names import CheckpointNames, CheckpointPiece
 from reshard.plan.box import Box, full_box
 from reshard.plan.layout import Grid, Mesh, TensorMeta, grid_box
 from reshard.plan.specs import GridSpec, PieceSpec
@@ -24,7 +24,7 @@ from reshard.plan.specs import GridSpec, PieceSpec
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["default_rename", "describe_module", "dtensor_grid"]
+__all__ = ["checkpoint_pieces", "default_rename", "describe_module", "dtensor_grid"]
 
 _PREFIXES = re.compile(r"(^|\.)(_orig_mod|_fsdp_wrapped_module|_checkpoint_wrapped_module|_compiled_module)\.")
 
@@ -137,27 +137,36 @@ def describe_module(
         if is_dt and len(split) == 1 and split[0].name == cname:
             pieces.append(PieceSpec(meta, box, local_name, box.sizes))
             continue
-        # Explicit pieces: each checkpoint tensor intersected with this rank's box.
-        for cp in split:
-            meta = TensorMeta(cp.name, cp.shape, dtype)
-            ck_dims = cp.dims or tuple(range(len(cp.shape)))
-            off = cp.offset or (0,) * t.dim()
-            # The checkpoint tensor's region inside the parameter.
-            region_sizes = [1] * t.dim()
-            for g, d in enumerate(ck_dims):
-                region_sizes[d] = cp.shape[g]
-            region = Box(tuple(off), tuple(region_sizes))
-            inter = region.intersect(box)
-            if inter is None:
-                continue
-            gbox = Box(
-                tuple(inter.offsets[d] - off[d] for d in ck_dims),
-                tuple(inter.sizes[d] for d in ck_dims),
-            )
-            # Where that box's origin sits in the local shard.
-            loff = tuple(inter.offsets[d] - box.offsets[d] for d in range(t.dim()))
-            pieces.append(PieceSpec(meta, gbox, local_name, box.sizes, loff, cp.dims))
+        pieces += checkpoint_pieces(split, dtype, box, local_name)
     return pieces, grids, local
+
+
+def checkpoint_pieces(split: Sequence[CheckpointPiece], dtype: str, box: Box, local: str) -> list[PieceSpec]:
+    """Explicit pieces of a local tensor that holds box ``box`` of a model
+    parameter (of shape ``box.sizes``): each checkpoint tensor the parameter
+    is made of (``split``) intersected with the box."""
+    ndim = box.ndim
+    pieces = []
+    for cp in split:
+        meta = TensorMeta(cp.name, cp.shape, dtype)
+        ck_dims = cp.dims or tuple(range(len(cp.shape)))
+        off = cp.offset or (0,) * ndim
+        # The checkpoint tensor's region inside the parameter.
+        region_sizes = [1] * ndim
+        for g, d in enumerate(ck_dims):
+            region_sizes[d] = cp.shape[g]
+        region = Box(tuple(off), tuple(region_sizes))
+        inter = region.intersect(box)
+        if inter is None:
+            continue
+        gbox = Box(
+            tuple(inter.offsets[d] - off[d] for d in ck_dims),
+            tuple(inter.sizes[d] for d in ck_dims),
+        )
+        # Where that box's origin sits in the local shard.
+        loff = tuple(inter.offsets[d] - box.offsets[d] for d in range(ndim))
+        pieces.append(PieceSpec(meta, gbox, local, box.sizes, loff, cp.dims))
+    return pieces
 
 
 def _named_tensors(source, include_buffers: bool) -> list[tuple[str, torch.Tensor]]:
