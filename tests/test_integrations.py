@@ -1,0 +1,169 @@
+"""The RL framework integrations without an engine: they import without the
+frameworks, check the framework versions they patch, validate their options,
+and refuse misconfigurations with errors that name the fix."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import textwrap
+from types import SimpleNamespace
+
+import pytest
+
+from reshard.errors import ReshardError
+
+
+def test_the_integrations_import_without_any_framework():
+    code = (
+        "import sys, reshard.integrations, reshard.integrations.trl, reshard.integrations.verl, "
+        "reshard.integrations.openrlhf\n"
+        "heavy = ('trl', 'verl', 'openrlhf', 'vllm', 'torch', 'ray', 'transformers', 'accelerate', 'deepspeed')\n"
+        "print(','.join(m for m in heavy if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout.strip()
+    assert out == "", f"imported at module level: {out}"
+
+
+def test_trl_options_are_checked():
+    from reshard.integrations.trl import ReshardOptions
+
+    with pytest.raises(ValueError, match="pause_mode 'later'"):
+        ReshardOptions(pause_mode="later")
+    with pytest.raises(ValueError, match="timeout_s"):
+        ReshardOptions(timeout_s=0)
+    with pytest.raises(ValueError, match=r"\['address'\]"):
+        ReshardOptions(extra={"address": "h:1"})
+
+
+def test_trl_version_is_pinned(monkeypatch):
+    trl = pytest.importorskip("trl")
+    from reshard.integrations.trl import TRL_VERSION, check_trl_version
+
+    assert check_trl_version() == TRL_VERSION
+    monkeypatch.setattr(trl, "__version__", "1.17.0")
+    with pytest.raises(ImportError, match=r"TRL 1\.16\.0 .* but TRL 1\.17\.0 is installed: pip install trl==1\.16\.0"):
+        check_trl_version()
+
+
+def test_trl_refuses_a_trainer_that_does_not_build_vllm_generation():
+    pytest.importorskip("trl")
+    from reshard.integrations.trl import with_reshard
+
+    class Plain:
+        pass
+
+    with pytest.raises(TypeError, match="does not build TRL's VLLMGeneration"):
+        with_reshard(Plain)
+
+
+def test_trl_takes_a_users_subclass_of_a_trl_trainer():
+    """A subclass defined outside TRL builds VLLMGeneration through the TRL
+    class it derives from: that module's name is the one swapped."""
+    pytest.importorskip("trl")
+    import trl
+
+    from reshard.integrations.trl import with_reshard
+
+    class MyGRPO(trl.GRPOTrainer):
+        pass
+
+    cls = with_reshard(MyGRPO)
+    assert issubclass(cls, MyGRPO) and cls.__name__ == "ReshardMyGRPO"
+
+
+def test_verl_options_and_misconfigurations_name_the_fix():
+    pytest.importorskip("verl")
+    from reshard.integrations.verl import MANAGER, VerlOptions, _engine_class, _manager_class
+
+    with pytest.raises(ValueError, match=r"unknown keys \['adress'\]"):
+        VerlOptions.of({"adress": "h:1"})
+    engine = _engine_class()(bucket_size=1 << 20, is_master=True, timeout_s=5)
+    assert engine.options.timeout_s == 5
+    # verl's own manager passes full tensors: refused, naming the manager to set.
+    for call in (engine.prepare, engine.finalize):
+        with pytest.raises(ReshardError, match=re.escape(f"checkpoint_manager_class={MANAGER}")):
+            call()
+    with pytest.raises(ReshardError, match=r"checkpoint_engine\.backend is 'nccl'"):
+        _manager_class()(config=SimpleNamespace(backend="nccl"), actor_wg=None, replicas=[])
+
+
+def test_verl_setup_hook_lets_vllm_032_take_verls_pause_keyword():
+    pytest.importorskip("vllm")
+    code = textwrap.dedent(
+        """
+        import asyncio, inspect
+        from vllm.v1.engine.async_llm import AsyncLLM
+        assert "wait_for_inflight_requests" not in inspect.signature(AsyncLLM.pause_generation).parameters
+        from reshard.integrations.verl import setup_worker_process
+        setup_worker_process()
+        setup_worker_process()  # idempotent
+
+        calls = []
+        class Core:
+            async def pause_scheduler_async(self, **kw):
+                calls.append(kw)
+        class Renderer:
+            async def clear_mm_cache_async(self):
+                pass
+        fake = type("Fake", (), {"engine_core": Core(), "renderer": Renderer()})()
+        # verl 0.9.1's call:
+        asyncio.run(AsyncLLM.pause_generation(fake, wait_for_inflight_requests=False, clear_cache=True))
+        asyncio.run(AsyncLLM.pause_generation(fake, mode="keep", clear_cache=False))
+        print(calls)
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip().splitlines()[-1] == (
+        "[{'mode': 'abort', 'clear_cache': True}, {'mode': 'keep', 'clear_cache': False}]"
+    )
+
+
+def test_openrlhf_version_is_pinned(monkeypatch):
+    pytest.importorskip("openrlhf")
+    import importlib.metadata
+
+    from reshard.integrations.openrlhf import OPENRLHF_VERSION, check_openrlhf_version
+
+    assert check_openrlhf_version() == OPENRLHF_VERSION
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: "0.12.0")
+    with pytest.raises(ImportError, match=r"OpenRLHF 0\.11\.2 .*ActorPPOTrainer\.broadcast_to_vllm.* 0\.12\.0"):
+        check_openrlhf_version()
+
+
+def _share_from_rank0(rank: int, port: int, fail: bool) -> tuple[str, int] | str:
+    import torch.distributed as dist
+
+    from reshard.integrations.openrlhf import _rank0_setup
+
+    def count() -> int:
+        if fail:
+            raise RuntimeError("the engines are gone")
+        return 7
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        return _rank0_setup("trainer-0:29500" if rank == 0 else None, count, rank, 2)
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"
+    finally:
+        dist.destroy_process_group()
+
+
+def test_openrlhf_ranks_share_rank0s_store_address_without_pickling():
+    from . import procs
+
+    out = procs.check(procs.run(_share_from_rank0, 2, procs.free_port(), False, timeout=120))
+    assert out == [("trainer-0:29500", 7), ("trainer-0:29500", 7)]
+
+
+def test_openrlhf_rank0_failing_its_setup_fails_every_rank():
+    from . import procs
+
+    out = procs.check(procs.run(_share_from_rank0, 2, procs.free_port(), True, timeout=120))
+    assert out == [
+        "RuntimeError: the engines are gone",
+        "ReshardError: trainer rank 1: trainer rank 0 could not set up the refits: RuntimeError: the engines are gone",
+    ]
