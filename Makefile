@@ -9,11 +9,12 @@ STAMP := $(VENV)/.reshard-installed
 SGLANG_VENV ?= .venv-sglang
 SGLANG_STAMP := $(SGLANG_VENV)/.reshard-sglang-setup
 
-.PHONY: setup sglang-setup demo test lint typecheck unit unit-engines unit-rest clean
+.PHONY: setup sglang-setup demo test lint typecheck unit clean
 
 setup: $(STAMP)
 
-$(STAMP): requirements/cpu.txt pyproject.toml
+$(STAMP): requirements/cpu.txt requirements/trainers.txt scripts/trainers_setup.sh requirements/frameworks.txt \
+		scripts/frameworks_setup.sh pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet -r requirements/cpu.txt
@@ -24,6 +25,12 @@ $(STAMP): requirements/cpu.txt pyproject.toml
 	# transformers' model imports.
 	$(BIN)/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec
 	$(BIN)/python -m pip install --quiet --no-deps --no-build-isolation -e .
+	# DeepSpeed (from its sdist, no ops built) and Accelerate, the trainers
+	# the sender reads besides FSDP2 and Megatron; nothing above may move.
+	bash scripts/trainers_setup.sh $(VENV)
+	# TRL 1.16.0, verl 0.9.1 and OpenRLHF 0.11.2 for reshard.integrations, all
+	# --no-deps (their pins would move torch, vllm and transformers; checked).
+	bash scripts/frameworks_setup.sh $(VENV)
 	touch $(STAMP)
 
 # SGLang pins torch 2.14.1: it gets its own venv (about 2 minutes, 6 GB),
@@ -45,26 +52,65 @@ lint: setup
 typecheck: setup
 	$(BIN)/mypy
 
-PYTEST := RESHARD_SGLANG_VENV=$(abspath $(SGLANG_VENV)) $(BIN)/python -m pytest -q
+# DURATIONS=0 lists every test's time (to rebalance the lanes).
+DURATIONS ?= 15
+PYTEST := RESHARD_SGLANG_VENV=$(abspath $(SGLANG_VENV)) $(BIN)/python -m pytest -q --durations=$(DURATIONS)
 
 unit: setup sglang-setup
 	$(PYTEST) tests
 
-# `make test` runs two jobs at a time (this machine has 2 cores, and much of
-# a test's time is processes starting and engines loading): the two venvs
-# install side by side, then lint and mypy, then the test suite in two
-# halves of about equal length: the zoo (26 engine configurations) with the
-# vLLM client and fault modules and the examples, and every other module.
-ENGINE_TESTS := tests/test_zoo.py tests/test_vllm_clients.py tests/test_vllm_faults.py tests/test_examples.py
+# `make test` runs two jobs at a time (this machine has 2 cores, and one
+# lane keeps about one core busy): the two venvs install side by side (the
+# torch 2.14.1 lane starts as soon as its venv is ready), then the lanes,
+# longest first, each in whichever slot frees first, then lint and mypy.
+# Lanes are whole modules (a module shares its engines), of 4 to 9 minutes
+# each here (`make test DURATIONS=0` lists every test's time).
+SGLANG_TESTS := tests/test_sglang_zoo.py tests/test_sglang.py
+VLLM_TESTS := tests/test_vllm_clients.py tests/test_vllm_faults.py tests/test_delta_engines.py \
+	tests/test_vllm_server.py tests/test_vllm_backend.py tests/test_vllm_load.py tests/test_vllm_versions.py
+FRAMEWORK_TESTS := tests/test_megatron.py tests/test_demo.py tests/test_trl.py tests/test_verl.py tests/test_openrlhf.py
+TRAINER_TESTS := tests/test_trainers.py tests/test_trainers_vllm.py
+ZOO_TESTS := tests/test_zoo.py
+EXAMPLE_TESTS := tests/test_examples.py
+LANED := $(SGLANG_TESTS) $(VLLM_TESTS) $(FRAMEWORK_TESTS) $(TRAINER_TESTS) $(ZOO_TESTS) $(EXAMPLE_TESTS)
+
+# The planner, transport, sender, shared-memory and recording tests also run
+# under the SGLang venv's torch 2.14.1 (GPU users' vLLM 0.33 pins torch 2.14),
+# so a drift in the private torch pieces reshard relies on shows on every
+# landing.
+CORE_TESTS := tests/test_plan_properties.py tests/test_plan_tables.py tests/test_flat_boxes.py \
+	tests/test_transport.py tests/test_shm.py tests/test_ipc.py tests/test_sender_fsdp.py tests/test_recording.py
+
+LANES := unit-examples unit-rest unit-vllm unit-sglang unit-frameworks unit-zoo unit-trainers unit-torch214
+.PHONY: $(LANES)
 
 test:
-	$(MAKE) -j2 lint typecheck unit-rest unit-engines
+	$(MAKE) -j2 $(LANES) lint typecheck
 
-unit-engines: setup sglang-setup
-	$(PYTEST) $(ENGINE_TESTS)
+unit-torch214: sglang-setup
+	$(SGLANG_VENV)/bin/python -m pytest -q -p no:cacheprovider --durations=$(DURATIONS) $(CORE_TESTS)
 
+unit-sglang: setup sglang-setup
+	$(PYTEST) $(SGLANG_TESTS)
+
+unit-vllm: setup sglang-setup
+	$(PYTEST) $(VLLM_TESTS)
+
+unit-frameworks: setup sglang-setup
+	$(PYTEST) $(FRAMEWORK_TESTS)
+
+unit-trainers: setup sglang-setup
+	$(PYTEST) $(TRAINER_TESTS)
+
+unit-zoo: setup sglang-setup
+	$(PYTEST) $(ZOO_TESTS)
+
+unit-examples: setup sglang-setup
+	$(PYTEST) $(EXAMPLE_TESTS)
+
+# Every other module (the planner, transport, sender and tool tests).
 unit-rest: setup sglang-setup
-	$(PYTEST) tests $(addprefix --ignore=,$(ENGINE_TESTS))
+	$(PYTEST) tests $(addprefix --ignore=,$(LANED))
 
 clean:
 	rm -rf $(VENV) $(SGLANG_VENV) .pytest_cache .ruff_cache .mypy_cache .hypothesis
