@@ -20,6 +20,13 @@ from reshard.testing.ports import free_port
 STARTED: set[int] = set()
 """The pids of every process this harness started (in this test process)."""
 
+GROUP_TIMEOUT_S = 300
+"""The refit group timeout of engine tests that expect a refit to succeed
+while its ranks are still starting (a trainer process importing torch and
+loading its model as the engine already waits to join): long enough that a
+loaded CI machine's slow process starts never fail them, a guard against
+hangs rather than a measure of time. Tests of failures keep their short ones."""
+
 
 class StoreServer:
     """A TCPStore server owned by the test process (ranks join as clients)."""

@@ -222,12 +222,13 @@ def refit_with_trainers(
     """One refit: the trainer ranks push while the driver (here, or trainer
     rank 0 through ``Sender.push(engines=...)``) drives the server."""
     from reshard import GroupConfig
+    from tests import procs
 
     config = dict(
         address=address,
         num_sources=trainers.world,
         num_destinations=server.tp,
-        timeout_s=60,
+        timeout_s=procs.GROUP_TIMEOUT_S,
         host_store=False,
         generation=generation,
     )

@@ -69,7 +69,9 @@ def _state(server, address: str) -> list[dict[str, str]]:
     from reshard import GroupConfig
     from reshard.adapters.sglang import SglangEngine
 
-    cfg = GroupConfig(address=address, num_sources=2, num_destinations=server.tp, timeout_s=60, host_store=False)
+    cfg = GroupConfig(
+        address=address, num_sources=2, num_destinations=server.tp, timeout_s=procs.GROUP_TIMEOUT_S, host_store=False
+    )
     return SglangEngine(server.url, tp_size=server.tp).state(cfg)
 
 

@@ -276,13 +276,14 @@ def plain_trainer(
     from transformers import AutoModelForCausalLM
 
     from reshard import GroupConfig, Sender
+    from tests import procs
 
     model = AutoModelForCausalLM.from_pretrained(paths[0], dtype=torch.float32)
     cfg = GroupConfig(
         address=address,
         num_sources=1,
         num_destinations=num_destinations,
-        timeout_s=60,
+        timeout_s=procs.GROUP_TIMEOUT_S,
         host_store=False,
         generation=generation,
     )
