@@ -28,6 +28,26 @@ loaded CI machine's slow process starts never fail them, a guard against
 hangs rather than a measure of time. Tests of failures keep their short ones."""
 
 
+def ray_init(**kwargs: Any) -> None:
+    """``ray.init`` for a test, with Ray's workers at the test's own priority.
+
+    Ray starts its worker processes at nice 15 (``RAY_worker_niceness``), so
+    on a machine busy with other work (CI runs two lanes beside whatever else
+    runs there) its actors got a few percent of a core: test_verl's setup took
+    1097 s beside a busy loop against 149 s alone, most of it an actor
+    importing vLLM. Ray jobs submitted through Ray's job API run at nice 0 too.
+    """
+    import ray
+
+    os.environ[RAY_NICENESS] = "0"
+    ray.init(**kwargs)
+
+
+RAY_NICENESS = "RAY_worker_niceness"
+"""Read by Ray's raylet and workers when they start (examples get it through
+their environment)."""
+
+
 class StoreServer:
     """A TCPStore server owned by the test process (ranks join as clients)."""
 

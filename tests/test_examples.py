@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from .procs import RAY_NICENESS
 from .sglang_support import sglang_python
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
@@ -37,7 +38,8 @@ def test_example_runs(script, tmp_path):
         if py is None:
             pytest.skip("no SGLang venv (make sglang-setup)")
         args = ["--sglang-python", str(py)]
-    env = dict(os.environ, EXAMPLES_WORKDIR=str(tmp_path), PYTHONUNBUFFERED="1")
+    # Ray's workers (ray_job.py) at the test's priority, not Ray's nice 15.
+    env = dict(os.environ, EXAMPLES_WORKDIR=str(tmp_path), PYTHONUNBUFFERED="1", **{RAY_NICENESS: "0"})
     proc = subprocess.run(
         [sys.executable, str(EXAMPLES / script), *args],
         env=env,

@@ -127,7 +127,7 @@ def run(tmp_path_factory):
         "OMP_NUM_THREADS": "1",
     }
     # One GPU id for the engine actor's placement group (fake: vLLM's CPU build ignores it).
-    ray.init(num_cpus=4, num_gpus=1, include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": env})
+    procs.ray_init(num_cpus=4, num_gpus=1, include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": env})
     out: dict = {"refits": []}
     try:
         integration.patch_engines()

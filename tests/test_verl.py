@@ -101,7 +101,7 @@ def run(tmp_path_factory):
         # The test reads every worker's account with a collective_rpc callable.
         "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",
     }
-    ray.init(
+    procs.ray_init(
         num_cpus=8,
         num_gpus=ACTORS + TP,  # fake: see tests/verl_support.py
         include_dashboard=False,
