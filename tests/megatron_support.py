@@ -21,6 +21,8 @@ from typing import Any
 
 import torch
 
+from .procs import GROUP_TIMEOUT_S
+
 # DeepSeek-V3-style: MLA with q LoRA, a dense first layer, routed experts
 # with a sigmoid router and expert bias, one shared expert.
 DEEPSEEK: dict[str, Any] = dict(
@@ -331,7 +333,9 @@ def megatron_trainer(rank: int, address: str, pg_port: int, path: str, world: in
         init_parallel(world, 1, 1, 1)
         model = build_gpt(hf, tp=world, pp=1, ep=1, etp=1)
         load_reference(model, load_file(os.path.join(path, "model.safetensors")), hf, world)
-        cfg = GroupConfig(address=address, num_sources=world, num_destinations=1, timeout_s=120, host_store=False)
+        cfg = GroupConfig(
+            address=address, num_sources=world, num_destinations=1, timeout_s=GROUP_TIMEOUT_S, host_store=False
+        )
         sender = megatron_sender(model, config=cfg, hf_config=hf)
         try:
             st = sender.push(1)

@@ -21,11 +21,13 @@ STARTED: set[int] = set()
 """The pids of every process this harness started (in this test process)."""
 
 GROUP_TIMEOUT_S = 300
-"""The refit group timeout of engine tests that expect a refit to succeed
-while its ranks are still starting (a trainer process importing torch and
-loading its model as the engine already waits to join): long enough that a
-loaded CI machine's slow process starts never fail them, a guard against
-hangs rather than a measure of time. Tests of failures keep their short ones."""
+"""The refit group timeout of every test that expects its ranks to join and
+its refits to succeed: ranks start at different times (a trainer importing
+DeepSpeed and building its model while the engine already waits to join),
+and on a loaded CI machine (two suites side by side, load 20-50 on 2 cores)
+that took over 60 s for engines and over 120 s for DeepSpeed ranks. Long
+enough that slow process starts never fail a test, a guard against hangs
+rather than a measure of time. Tests of failures keep their short ones."""
 
 
 def ray_init(**kwargs: Any) -> None:

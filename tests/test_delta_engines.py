@@ -181,7 +181,7 @@ def run(sglang_python, tmp_path_factory) -> dict[str, Any]:
     root = tmp_path_factory.mktemp("delta")
     v0 = str(build_tiny_model(root / "v0", "qwen2", seed=0, torch_dtype="bfloat16"))
     store = procs.StoreServer()
-    common = dict(address=store.address, num_sources=2, timeout_s=120, host_store=False, delta=True)
+    common = dict(address=store.address, num_sources=2, timeout_s=procs.GROUP_TIMEOUT_S, host_store=False, delta=True)
     configs = {
         "vllm": dict(common, num_destinations=2, job="delta-vllm"),
         "sglang": dict(common, num_destinations=1, job="delta-sglang"),

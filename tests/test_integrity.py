@@ -57,7 +57,14 @@ def _corrupted(rank: int, address: str) -> dict:
     # Without checksums the corruption lands silently.
     ep, t = _endpoint(
         rank,
-        GroupConfig(address=address, num_sources=2, num_destinations=2, job="plain", timeout_s=60, host_store=False),
+        GroupConfig(
+            address=address,
+            num_sources=2,
+            num_destinations=2,
+            job="plain",
+            timeout_s=procs.GROUP_TIMEOUT_S,
+            host_store=False,
+        ),
     )
     _run(ep, rank, 1)
     ep.close()
@@ -65,7 +72,13 @@ def _corrupted(rank: int, address: str) -> dict:
         out["plain_intact"] = bool(torch.equal(t, _weights(1)[:, (rank - 2) * 24 : (rank - 1) * 24]))
     # With checksums every rank raises, naming the message.
     cfg = GroupConfig(
-        address=address, num_sources=2, num_destinations=2, job="sums", timeout_s=60, checksums=True, host_store=False
+        address=address,
+        num_sources=2,
+        num_destinations=2,
+        job="sums",
+        timeout_s=procs.GROUP_TIMEOUT_S,
+        checksums=True,
+        host_store=False,
     )
     ep, t = _endpoint(rank, cfg)
     try:
@@ -100,7 +113,9 @@ def test_checksums_catch_bytes_corrupted_in_flight_on_every_rank_and_the_next_re
 
 def _versions(rank: int, address: str) -> list:
     """Rank 0 trains; ranks 1-2 keep everything. Returns what each attempt did."""
-    cfg = GroupConfig(address=address, num_sources=1, num_destinations=2, timeout_s=60, host_store=False)
+    cfg = GroupConfig(
+        address=address, num_sources=1, num_destinations=2, timeout_s=procs.GROUP_TIMEOUT_S, host_store=False
+    )
     meta = TensorMeta("w", (8, 4), "float32")
     log: list = []
     if rank == 0:
@@ -159,7 +174,9 @@ def test_stale_replayed_and_mismatched_refit_numbers_are_rejected_on_every_rank_
 
 
 def _disagree(rank: int, address: str) -> str:
-    cfg = GroupConfig(address=address, num_sources=1, num_destinations=1, timeout_s=60, checksums=rank == 0)
+    cfg = GroupConfig(
+        address=address, num_sources=1, num_destinations=1, timeout_s=procs.GROUP_TIMEOUT_S, checksums=rank == 0
+    )
     _, t = None, torch.zeros(4)
     piece = [PieceSpec(TensorMeta("x", (4,), "float32"), Box((0,), (4,)), "x", (4,))]
     try:

@@ -211,7 +211,12 @@ def _colocated_gpu(rank: int, address: str, refits: list[int]) -> list[dict]:
         return torch.randn(meta.shape, generator=g).to(torch.bfloat16).cuda()
 
     cfg = GroupConfig(
-        address=address, num_sources=2, num_destinations=2, timeout_s=60, host_store=False, shared_memory=True
+        address=address,
+        num_sources=2,
+        num_destinations=2,
+        timeout_s=procs.GROUP_TIMEOUT_S,
+        host_store=False,
+        shared_memory=True,
     )
     out = []
     if rank < 2:

@@ -51,7 +51,12 @@ def _group(address: str, job: str):
     from reshard.transport.group import GroupConfig
 
     return GroupConfig(
-        address=address, job=job, num_sources=TRAINERS, num_destinations=RECEIVERS, timeout_s=90, host_store=False
+        address=address,
+        job=job,
+        num_sources=TRAINERS,
+        num_destinations=RECEIVERS,
+        timeout_s=procs.GROUP_TIMEOUT_S,
+        host_store=False,
     )
 
 

@@ -209,7 +209,7 @@ def _no_pickle(rank: int, address: str) -> dict:
         address=address,
         num_sources=1,
         num_destinations=2,
-        timeout_s=60,
+        timeout_s=procs.GROUP_TIMEOUT_S,
         host_store=False,
         token="job-token",
         checksums=True,

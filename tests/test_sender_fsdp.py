@@ -84,7 +84,13 @@ def _reference(model_type: str) -> dict[str, torch.Tensor]:
 
 
 def _run(rank: int, address: str, pg_port: int, model_type: str, engine_tp: int, world: int = 2) -> dict:
-    cfg = GroupConfig(address=address, num_sources=world, num_destinations=engine_tp, timeout_s=60, host_store=False)
+    cfg = GroupConfig(
+        address=address,
+        num_sources=world,
+        num_destinations=engine_tp,
+        timeout_s=procs.GROUP_TIMEOUT_S,
+        host_store=False,
+    )
     if rank < world:
         import torch.distributed as dist
         from torch.distributed.device_mesh import init_device_mesh
@@ -124,7 +130,7 @@ def _run(rank: int, address: str, pg_port: int, model_type: str, engine_tp: int,
 @pytest.mark.parametrize(("model_type", "tp"), [("qwen3_moe", 2), ("qwen2", 2)])
 def test_fsdp2_model_to_vllm_style_tp_layout(model_type, tp):
     server = procs.StoreServer()
-    out = procs.check(procs.run(_run, 2 + tp, server.address, procs.free_port(), model_type, tp, timeout=240))
+    out = procs.check(procs.run(_run, 2 + tp, server.address, procs.free_port(), model_type, tp, timeout=600))
     trainers, engines = out[:2], out[2:]
     # Parameters the grid rule can say are grids; fused experts are pieces.
     assert all(t["grids"] > 0 for t in trainers)
@@ -148,7 +154,7 @@ def test_fsdp2_worlds_with_tensors_smaller_than_the_world(world):
     tp = 2
     server = procs.StoreServer()
     out = procs.check(
-        procs.run(_run, world + tp, server.address, procs.free_port(), "qwen2_moe", tp, world, timeout=300)
+        procs.run(_run, world + tp, server.address, procs.free_port(), "qwen2_moe", tp, world, timeout=600)
     )
     trainers, engines = out[:world], out[world:]
     assert all(t["grids"] > 0 for t in trainers)

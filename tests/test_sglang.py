@@ -115,7 +115,9 @@ def _hook_run(rank: int, address: str, mode: str, junk: bool) -> dict[str, Any]:
     (TP rank 0 of 1) whose loader is called through the hook."""
     from reshard import GroupConfig, Sender
 
-    cfg = GroupConfig(address=address, num_sources=1, num_destinations=1, timeout_s=60, host_store=False)
+    cfg = GroupConfig(
+        address=address, num_sources=1, num_destinations=1, timeout_s=procs.GROUP_TIMEOUT_S, host_store=False
+    )
     ckpt = _checkpoint(5)
     if rank == 0:
         sender = Sender(ckpt, config=cfg, rank=0)

@@ -96,7 +96,7 @@ def _mixed(
         address=address,
         num_sources=2,
         num_destinations=2,
-        timeout_s=60,
+        timeout_s=procs.GROUP_TIMEOUT_S,
         host_store=False,
         shared_memory=True,
         shm_host=hosts[rank],
@@ -166,7 +166,7 @@ def test_a_mixed_group_uses_shared_memory_on_one_host_and_gloo_across(export):
 @pytest.mark.parametrize("export", [False, True], ids=["channels", "export"])
 def test_a_reader_killed_mid_refit_fails_every_rank_fast_and_the_next_refit_works(export):
     """Engine rank 3 dies after its first round of refit 1; the trainers (its
-    shared-memory senders) and rank 2 raise within seconds, not at the 60 s
+    shared-memory senders) and rank 2 raise within seconds, not at the group
     timeout; a new process takes rank 3 and refit 2 succeeds on every rank."""
     server = procs.StoreServer()
     hosts = ["a"] * 4
@@ -190,7 +190,12 @@ def _sizes_change_back(rank: int, address: str) -> list[bool]:
     again; each pair's channel grows or shrinks with its busiest round and
     starts counting anew each time."""
     cfg = GroupConfig(
-        address=address, num_sources=2, num_destinations=2, timeout_s=30, host_store=False, shared_memory=True
+        address=address,
+        num_sources=2,
+        num_destinations=2,
+        timeout_s=procs.GROUP_TIMEOUT_S,
+        host_store=False,
+        shared_memory=True,
     )
     if rank < 2:
         local = _full(1)[rank * 128 : (rank + 1) * 128].clone()
@@ -242,7 +247,7 @@ def _flat_buffer(rank: int, address: str) -> dict:
         address=address,
         num_sources=1,
         num_destinations=1,
-        timeout_s=60,
+        timeout_s=procs.GROUP_TIMEOUT_S,
         host_store=False,
         shared_memory=True,
         export_sources=True,

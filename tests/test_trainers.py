@@ -68,7 +68,9 @@ def _whole(names: dict[str, tuple[tuple[int, ...], str]], dtype: str, rank: int)
 
 
 def _run(rank: int, address: str, pg_port: int, kind: str, path: str) -> dict:
-    cfg = GroupConfig(address=address, num_sources=2, num_destinations=1, timeout_s=120, host_store=False)
+    cfg = GroupConfig(
+        address=address, num_sources=2, num_destinations=1, timeout_s=procs.GROUP_TIMEOUT_S, host_store=False
+    )
     if rank == 2:
         names = checkpoint_tensors(path)
         if kind.startswith(("zero3", "accelerate_zero3")) and "autoep" not in kind:
@@ -119,7 +121,7 @@ def _run(rank: int, address: str, pg_port: int, kind: str, path: str) -> dict:
 
 def _refit(kind: str, path: str) -> tuple[list[dict], dict]:
     server = procs.StoreServer()
-    out = procs.check(procs.run(_run, 3, server.address, procs.free_port(), kind, path, timeout=420))
+    out = procs.check(procs.run(_run, 3, server.address, procs.free_port(), kind, path, timeout=900))
     for t in out[:2]:
         t["ref"] = unpack(t["ref"])
     for refit in (1, 2, 3):

@@ -55,7 +55,12 @@ def _trainer(rank: int, address: str, pg_port: int, kind: str, path: str, genera
 
     tr = Trainer(rank, 2, pg_port, kind, path)
     cfg = GroupConfig(
-        address=address, num_sources=2, num_destinations=TP, timeout_s=180, host_store=False, generation=generation
+        address=address,
+        num_sources=2,
+        num_destinations=TP,
+        timeout_s=procs.GROUP_TIMEOUT_S,
+        host_store=False,
+        generation=generation,
     )
     with counting_gathers() as calls:
         sender = Sender(tr.model, config=cfg)

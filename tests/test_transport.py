@@ -88,7 +88,7 @@ def run_problems(rank: int, port: int, encoded: list[bytes], budget: int, shm: b
             job=f"p{i}",
             num_sources=len(src),
             num_destinations=len(dst),
-            timeout_s=60,
+            timeout_s=procs.GROUP_TIMEOUT_S,
             domain=f"d{domains[rank]}",
             host_store=False,
             shared_memory=bool(shm),
@@ -165,7 +165,7 @@ def _two_by_two(rank: int, port: int, dtype: str) -> bool:
     from reshard.plan.box import Box
     from reshard.plan.specs import PieceSpec
 
-    cfg = GroupConfig(address=f"127.0.0.1:{port}", num_sources=2, num_destinations=2, timeout_s=60)
+    cfg = GroupConfig(address=f"127.0.0.1:{port}", num_sources=2, num_destinations=2, timeout_s=procs.GROUP_TIMEOUT_S)
     full = global_tensor(meta)
     if rank < 2:
         local = full[rank * 32 : (rank + 1) * 32].clone()
@@ -200,7 +200,9 @@ def _both_methods(rank: int, address: str) -> list[bool]:
     metas = [TensorMeta(f"layers.{i}.w", (96, 40), "bfloat16") for i in range(3)] + [
         TensorMeta("norm.weight", (40,), "float32")
     ]
-    cfg = GroupConfig(address=address, num_sources=2, num_destinations=3, timeout_s=60, host_store=False)
+    cfg = GroupConfig(
+        address=address, num_sources=2, num_destinations=3, timeout_s=procs.GROUP_TIMEOUT_S, host_store=False
+    )
     results = []
     if rank < 2:
         pieces, tensors = [], {}
@@ -262,7 +264,9 @@ def _staging(rank: int, address: str) -> dict:
     from reshard.plan.specs import PieceSpec
 
     meta = TensorMeta("w", (1024, 1024), "float32")
-    cfg = GroupConfig(address=address, num_sources=2, num_destinations=2, timeout_s=60, host_store=False)
+    cfg = GroupConfig(
+        address=address, num_sources=2, num_destinations=2, timeout_s=procs.GROUP_TIMEOUT_S, host_store=False
+    )
     full = global_tensor(meta)
     budget = 256 << 10
     if rank < 2:
@@ -310,7 +314,7 @@ def _casts(rank: int, port: int, src_dtype: str, dst_dtype: str, rows: int) -> d
     from reshard.plan.specs import PieceSpec
 
     meta = TensorMeta("w", (rows, 256), src_dtype)
-    cfg = GroupConfig(address=f"127.0.0.1:{port}", num_sources=2, num_destinations=2, timeout_s=60)
+    cfg = GroupConfig(address=f"127.0.0.1:{port}", num_sources=2, num_destinations=2, timeout_s=procs.GROUP_TIMEOUT_S)
     full = torch.randn(rows, 256, generator=torch.Generator().manual_seed(3)).to(getattr(torch, src_dtype))
     half = rows // 2
     if rank < 2:
@@ -365,7 +369,12 @@ def _relayouts(rank: int, address: str, shm: bool = False) -> list[tuple[bool, i
 
     meta = TensorMeta("w", (64, 48), "float32")
     cfg = GroupConfig(
-        address=address, num_sources=2, num_destinations=2, timeout_s=60, host_store=False, shared_memory=shm
+        address=address,
+        num_sources=2,
+        num_destinations=2,
+        timeout_s=procs.GROUP_TIMEOUT_S,
+        host_store=False,
+        shared_memory=shm,
     )
 
     def version(n: int) -> torch.Tensor:

@@ -41,7 +41,9 @@ def _fault_scenario(rank: int, address: str, case: str, side: str, size: str) ->
     same refit again with the fault gone, on the same Sender / Receiver."""
     shape = SIZES[size]
     meta = TensorMeta("model.w", shape, "float32")
-    cfg = GroupConfig(address=address, num_sources=2, num_destinations=2, timeout_s=30, host_store=False)
+    cfg = GroupConfig(
+        address=address, num_sources=2, num_destinations=2, timeout_s=procs.GROUP_TIMEOUT_S, host_store=False
+    )
     full = _full(shape)
     half = shape[0] // 2
     out: dict = {"rank": rank}
@@ -132,7 +134,12 @@ def _knobs_scenario(rank: int, address: str, cases: list[dict]) -> list[str]:
         shape = tuple(c["shape"])
         meta = TensorMeta("model.w", shape, "float32")
         cfg = GroupConfig(
-            address=address, job=f"k{i}", num_sources=2, num_destinations=2, timeout_s=30, host_store=False
+            address=address,
+            job=f"k{i}",
+            num_sources=2,
+            num_destinations=2,
+            timeout_s=procs.GROUP_TIMEOUT_S,
+            host_store=False,
         )
         full = _full(shape)
         knobs = {"budget_bytes": c["budget"][rank], "round_bytes": c["rounds"][rank]}

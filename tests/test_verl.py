@@ -58,7 +58,7 @@ RESHARD = [
     "actor_rollout_ref.rollout.checkpoint_engine.custom_backend_module=reshard.integrations.verl_backend",
     "+actor_rollout_ref.rollout.checkpoint_manager_class=reshard.integrations.verl.ReshardCheckpointManager",
     "+actor_rollout_ref.rollout.engine_kwargs.vllm.weight_transfer_config={backend:reshard}",
-    "+actor_rollout_ref.rollout.checkpoint_engine.engine_kwargs.reshard.timeout_s=120",
+    f"+actor_rollout_ref.rollout.checkpoint_engine.engine_kwargs.reshard.timeout_s={procs.GROUP_TIMEOUT_S}",
 ]
 CPU = [
     "actor_rollout_ref.rollout.name=vllm",

@@ -97,7 +97,12 @@ def _join_with_env(rank: int, address: str) -> dict:
     dist.ProcessGroupGloo = spy  # type: ignore[misc,assignment]
     try:
         cfg = GroupConfig(
-            address=address, num_sources=1, num_destinations=1, timeout_s=60, host_store=False, pg_env=_marking_env
+            address=address,
+            num_sources=1,
+            num_destinations=1,
+            timeout_s=procs.GROUP_TIMEOUT_S,
+            host_store=False,
+            pg_env=_marking_env,
         )
         group = RefitGroup.join(cfg, rank=rank)
         try:

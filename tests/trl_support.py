@@ -8,6 +8,8 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from .procs import GROUP_TIMEOUT_S
+
 __all__ = ["LOGP_MAX", "grpo_rank", "reward_even_words"]
 
 LOGP_MAX = "sampling/sampling_logp_difference/max"
@@ -115,7 +117,9 @@ def grpo_rank(
         args=GRPOConfig(**cfg),
         train_dataset=ds,
         processing_class=tok,
-        reshard=ReshardOptions(sync=sync, timeout_s=120, llm_kwargs={"dtype": "float32", "enforce_eager": True}),
+        reshard=ReshardOptions(
+            sync=sync, timeout_s=GROUP_TIMEOUT_S, llm_kwargs={"dtype": "float32", "enforce_eager": True}
+        ),
     )
     trainer.train()
     from torch.distributed.tensor import DTensor

@@ -14,6 +14,8 @@ from typing import Any
 from reshard.adapters.vllm.extension import ReshardWorkerExtension
 from reshard.testing.engines import MAX_TOKENS, PROMPTS, engine_env, greedy, offline_llm, shutdown
 
+from .procs import GROUP_TIMEOUT_S
+
 __all__ = ["MAX_TOKENS", "PROMPTS", "engine_env", "greedy", "make_llm", "shutdown"]
 
 
@@ -161,7 +163,7 @@ def fsdp_trainer(
             address=address,
             num_sources=world,
             num_destinations=num_destinations,
-            timeout_s=60,
+            timeout_s=GROUP_TIMEOUT_S,
             host_store=False,
             generation=generation,
         )
@@ -207,7 +209,12 @@ def backend_scenario(rank: int, tp: int, v1: str, v2: str, port: int) -> dict[st
             if mutate == "shape":
                 model.model.norm.weight = torch.nn.Parameter(torch.zeros(model.model.norm.weight.shape[0] + 1))
             info = ReshardTrainerInitInfo(
-                rank=0, address=address, num_sources=1, num_destinations=tp, generation=generation, timeout_s=60
+                rank=0,
+                address=address,
+                num_sources=1,
+                num_destinations=tp,
+                generation=generation,
+                timeout_s=GROUP_TIMEOUT_S,
             )
             return WeightTransferTrainerFactory.trainer_init(info, client=llm, source=ModuleSource(model))
 
@@ -537,7 +544,7 @@ def weight_sync_trainer(
                 num_sources=world,
                 num_destinations=tp,
                 generation=g,
-                timeout_s=60,
+                timeout_s=GROUP_TIMEOUT_S,
                 two_phase=two_phase,
             )
             step: dict[str, Any] = {}

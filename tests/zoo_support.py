@@ -40,6 +40,8 @@ from typing import Any
 
 from reshard.testing.tiny import TINY, build_tiny_model
 
+from .procs import GROUP_TIMEOUT_S
+
 ZOO = sorted(TINY)
 TWO_PHASE = {("qwen2_moe", 2), ("llama", 1)}
 """Configurations refit a second time with a two-phase refit (stage, then
@@ -97,7 +99,7 @@ def trainer_push(
         address=address,
         num_sources=world,
         num_destinations=num_destinations,
-        timeout_s=120,
+        timeout_s=GROUP_TIMEOUT_S,
         host_store=False,
         generation=generation,
         shared_memory=bool(shared_memory),
