@@ -80,6 +80,14 @@ LANED := $(SGLANG_TESTS) $(VLLM_TESTS) $(FRAMEWORK_TESTS) $(TRAINER_TESTS) $(ZOO
 # landing.
 CORE_TESTS := tests/test_plan_properties.py tests/test_plan_tables.py tests/test_flat_boxes.py \
 	tests/test_transport.py tests/test_shm.py tests/test_ipc.py tests/test_sender_fsdp.py tests/test_recording.py
+# Under torch 2.14.1, not the randomized many-layout runs and the larger
+# worlds: they use the same torch pieces as the tests kept (which still move
+# bytes over gloo and shared memory, export and read shards, read FSDP2),
+# and cost most of the lane's time; under the main venv they all run.
+CORE_SKIP_TORCH214 := test_transport.py::test_random_layouts_move_bit_exactly_over_gloo \
+	test_transport.py::test_gather_broadcast_baseline_behind_the_same_interface \
+	test_shm.py::test_random_layouts_move_bit_exactly_over_shared_memory_and_gloo_mixed \
+	test_sender_fsdp.py::test_fsdp2_worlds_with_tensors_smaller_than_the_world
 
 LANES := unit-examples unit-rest unit-vllm unit-sglang unit-frameworks unit-zoo unit-trainers unit-torch214
 .PHONY: $(LANES)
@@ -88,7 +96,8 @@ test:
 	$(MAKE) -j2 $(LANES) lint typecheck
 
 unit-torch214: sglang-setup
-	$(SGLANG_VENV)/bin/python -m pytest -q -p no:cacheprovider --durations=$(DURATIONS) $(CORE_TESTS)
+	$(SGLANG_VENV)/bin/python -m pytest -q -p no:cacheprovider --durations=$(DURATIONS) $(CORE_TESTS) \
+		$(addprefix --deselect=tests/,$(CORE_SKIP_TORCH214))
 
 unit-sglang: setup sglang-setup
 	$(PYTEST) $(SGLANG_TESTS)

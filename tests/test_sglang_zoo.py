@@ -34,7 +34,6 @@ ZOO = [
     "gemma3_text",
     "gpt2",
     "llama",
-    "mistral",
     "mixtral",
     "olmo2",
     "phi3",
@@ -43,7 +42,9 @@ ZOO = [
     "qwen3_moe",
     "starcoder2",
 ]
-"""Architectures refit and compared (TP=1, bfloat16)."""
+"""Architectures refit and compared (TP=1, bfloat16). Not Mistral: SGLang
+serves it with its Llama class unchanged (``class
+MistralForCausalLM(LlamaForCausalLM): pass``), the llama entry's loader."""
 
 UNINFORMATIVE_TOKENS = {
     "gemma3_text": "SGLang's Gemma 3 takes its logits from the embedding (its checkpoint's lm_head is never loaded), "
@@ -55,14 +56,14 @@ a refit changes: their tokens are still compared, their state decides."""
 
 UNSERVABLE = {
     "qwen2_moe": "0 active drivers",
-    "deepseek_v2": "assert rope_scaling is not None",
     "deepseek_v3": "assert rope_scaling is not None",
 }
 """Architectures SGLang 0.5.23 cannot serve on CPU here, and the error it
 gives: Qwen2-MoE's shared-expert gate is a Triton kernel and Triton has no
 CPU driver here; SGLang's CPU rotary embedding for MLA needs a YaRN
 ``rope_scaling`` (and with one, MLA under the ``torch_native`` attention
-backend fails on a batched matmul's shapes)."""
+backend fails on a batched matmul's shapes). DeepSeek-V2 fails the same
+way in the same rotary embedding; one MLA model is started to check it."""
 
 
 def _state(server, address: str) -> list[dict[str, str]]:

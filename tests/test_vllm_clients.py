@@ -5,8 +5,8 @@ The trainer processes never start an engine and never load vLLM's plugins:
 they call ``WeightTransferTrainerFactory.trainer_init(ReshardTrainerInitInfo(...),
 client=HTTPVLLMWeightSyncClient(url), source=ModuleSource(model))`` and
 ``send_weights()``, as vLLM's RL examples do with its built-in backends. One
-bf16 server per tensor-parallel size, started on checkpoint v2, so its first
-tokens are a fresh server's on v2.
+bf16 server at TP=2 (the native backend at TP=1 is tests/test_vllm_backend.py),
+started on checkpoint v2, so its first tokens are a fresh server's on v2.
 """
 
 from __future__ import annotations
@@ -60,9 +60,12 @@ def _phases(url: str, tp: int) -> list[tuple[str, int, str, int, str]]:
     return out
 
 
-@pytest.fixture(scope="module", params=[1, 2], ids=["tp1", "tp2"])
-def run(request, tmp_path_factory):
-    tp = request.param
+TP = 2
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    tp = TP
     root = tmp_path_factory.mktemp(f"clients-tp{tp}")
     v1 = str(build_tiny_model(root / "v1", "qwen2", seed=0))
     v2 = str(build_tiny_model(root / "v2", "qwen2", seed=7))
@@ -73,8 +76,7 @@ def run(request, tmp_path_factory):
         out = {"tp": tp, "fresh_v2": server.greedy(), "phases": _phases(server.url, tp)}
         # In place: v1, v2, a bad update, v1; two-phase: v2, a bad update.
         steps = [(v1, "", False), (v2, "", False), (v1, "shape", False), (v1, "", False)]
-        if tp == 2:
-            steps += [(v2, "", True), (v1, "shape", True)]
+        steps += [(v2, "", True), (v1, "shape", True)]
         store_port, pg_port = procs.free_port(), procs.free_port()
         out["trainers"] = procs.check(
             procs.run(weight_sync_trainer, 2, server.url, store_port, pg_port, 2, tp, steps, timeout=600)
@@ -115,8 +117,6 @@ def test_a_two_phase_refit_gives_a_fresh_servers_tokens_and_a_bad_one_keeps_them
     """``two_phase=True``: staged while the server serves, committed paused;
     a staging failure (refused at the plan) surfaces at the commit, and the
     server keeps serving its weights."""
-    if run["tp"] != 2:
-        pytest.skip("two-phase refits run at TP=2 (the staging path is the same at TP=1)")
     steps = run["trainers"][0]["steps"]
     assert steps[4]["error"] is None, steps[4]
     assert steps[4]["tokens"] == run["fresh_v2"]

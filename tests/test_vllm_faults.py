@@ -13,7 +13,7 @@ from .vllm_support import faults_scenario
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
-SOAK = 50
+SOAK = 30
 
 
 @pytest.fixture(scope="module")

@@ -1,8 +1,8 @@
 """Every tiny architecture of the zoo, refit into a real bf16 vLLM engine at
-TP=1 and TP=2 from 2 FSDP2 trainer ranks (see ``tests/zoo_support.py``);
-two configurations also take a two-phase refit.
+TP=2 (and some at TP=1) from 2 FSDP2 trainer ranks (see
+``tests/zoo_support.py``); two configurations also take a two-phase refit.
 
-The zoo runs once per session (about 10 minutes on a 2-core machine); each
+The zoo runs once per session (about 8 minutes on a 2-core machine); each
 test below reads its configuration's results.
 """
 

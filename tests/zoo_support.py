@@ -1,5 +1,6 @@
 """The zoo: every tiny architecture refit into a real bf16 vLLM engine at
-TP=1 and TP=2 from FSDP2 trainer ranks, driven from the test process.
+TP=2 (some at TP=1 too, see :data:`TP`) from FSDP2 trainer ranks, driven
+from the test process.
 
 Two long-lived process pools do the work (imports and process starts are
 paid once): the trainer (2 FSDP2 ranks) and an engine host (offline
@@ -51,15 +52,26 @@ SHARED_MEMORY = {("qwen2", 2): "export", ("qwen3_moe", 1): "channels"}
 """Configurations whose refit is colocated: every byte through shared memory
 (channels, or read from the trainers' exported tensors)."""
 
-TP: dict[str, tuple[int, ...]] = {"deepseek_v3_g1": (1,), "gemma": (1,), "mistral": (1,)}
-"""Tensor-parallel sizes per architecture (default: 1 and 2; variants of
-architectures the zoo runs at TP=2 run at TP=1 only)."""
+TP: dict[str, tuple[int, ...]] = {
+    "deepseek_v3_g1": (1,),
+    "gemma": (1,),
+    "mistral": (1,),
+    "llama": (1, 2),
+    "qwen3_moe": (1, 2),
+}
+"""Tensor-parallel sizes per architecture. Default TP=2 only: each
+architecture's loader is the same at TP=1 and TP=2, and TP=2 also splits
+it, fuses replicated KV heads and pads partitions. TP=1 (whole tensors
+gathered from the two trainer ranks' shards) for Llama (tied embeddings, a
+two-phase refit), Qwen3-MoE (colocated, over shared memory) and the variants
+of architectures the zoo runs at TP=2 (Gemma 1, Mistral, DeepSeek-V3 on the
+reference MLA backend)."""
 
 ENGINE_ARGS: dict[str, dict[str, Any]] = {"deepseek_v3_g1": {"attention_backend": "CPU_MLA"}}
 """Engine arguments per architecture: MLA on vLLM's reference CPU backend
 (the others take the backend the machine picks: AMX where it has AMX)."""
 
-CONFIGS = [(kind, tp) for kind in ZOO for tp in TP.get(kind, (1, 2))]
+CONFIGS = [(kind, tp) for kind in ZOO for tp in TP.get(kind, (2,))]
 
 _state: dict[str, Any] = {}
 """Per pool process: the engine being tested, the trainer's default group."""

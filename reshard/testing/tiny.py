@@ -18,7 +18,7 @@ __all__ = ["NONDETERMINISTIC", "TINY", "build_tiny_model", "perturb", "tiny_conf
 
 # vLLM on CPU needs head_dim in {32, 64, 80, ...}. Each entry says what of
 # vLLM's loading it exercises; tests/test_zoo.py refits every one into a bf16
-# engine at TP=1 and TP=2.
+# engine at TP=2 (some at TP=1 as well).
 TINY: dict[str, dict[str, Any]] = {
     # GQA (2 KV heads), untied, qkv bias, a vocabulary vLLM pads (500 -> 512).
     "qwen2": dict(
