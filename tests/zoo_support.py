@@ -61,7 +61,7 @@ TP: dict[str, tuple[int, ...]] = {
 }
 """Tensor-parallel sizes per architecture. Default TP=2 only: each
 architecture's loader is the same at TP=1 and TP=2, and TP=2 also splits
-it, fuses replicated KV heads and pads partitions. TP=1 (whole tensors
+its tensors, replicates KV heads fewer than TP and pads partitions. TP=1 (whole tensors
 gathered from the two trainer ranks' shards) for Llama (tied embeddings, a
 two-phase refit), Qwen3-MoE (colocated, over shared memory) and the variants
 of architectures the zoo runs at TP=2 (Gemma 1, Mistral, DeepSeek-V3 on the
