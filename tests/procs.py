@@ -40,23 +40,30 @@ rather than a measure of time. Tests of failures keep their short ones."""
 
 
 def ray_init(**kwargs: Any) -> None:
-    """``ray.init`` for a test, with Ray's workers at the test's own priority.
+    """``ray.init`` for a test, with Ray's workers at the test's own priority
+    and without Ray's memory monitor (:data:`RAY_TEST_ENV`).
 
     Ray starts its worker processes at nice 15 (``RAY_worker_niceness``), so
     on a machine busy with other work (CI runs two lanes beside whatever else
     runs there) its actors got a few percent of a core: test_verl's setup took
     1097 s beside a busy loop against 149 s alone, most of it an actor
     importing vLLM. Ray jobs submitted through Ray's job API run at nice 0 too.
+    Ray's memory monitor kills workers once the whole machine is 95% used,
+    whoever uses it: with three suites side by side (22.3 of 23.6 GB used)
+    it killed test_verl's actors, which needed a fraction of that.
     """
     import ray
 
-    os.environ[RAY_NICENESS] = "0"
+    os.environ.update(RAY_TEST_ENV)
     ray.init(**kwargs)
 
 
 RAY_NICENESS = "RAY_worker_niceness"
-"""Read by Ray's raylet and workers when they start (examples get it through
-their environment)."""
+RAY_TEST_ENV = {RAY_NICENESS: "0", "RAY_memory_monitor_refresh_ms": "0"}
+"""Read by Ray's raylet and workers when they start (examples get them
+through their environment): workers at nice 0, no memory monitor (0 turns
+it off; the kernel still stops a process that runs the machine out of
+memory)."""
 
 
 class StoreServer:

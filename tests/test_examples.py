@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from .procs import RAY_NICENESS
+from .procs import RAY_TEST_ENV
 from .sglang_support import sglang_python
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
@@ -38,8 +38,9 @@ def test_example_runs(script, tmp_path):
         if py is None:
             pytest.skip("no SGLang venv (make sglang-setup)")
         args = ["--sglang-python", str(py)]
-    # Ray's workers (ray_job.py) at the test's priority, not Ray's nice 15.
-    env = dict(os.environ, EXAMPLES_WORKDIR=str(tmp_path), PYTHONUNBUFFERED="1", **{RAY_NICENESS: "0"})
+    # Ray's workers (ray_job.py) at the test's priority, not Ray's nice 15,
+    # and not killed by Ray's memory monitor for what other jobs use.
+    env = dict(os.environ, EXAMPLES_WORKDIR=str(tmp_path), PYTHONUNBUFFERED="1", **RAY_TEST_ENV)
     proc = subprocess.run(
         [sys.executable, str(EXAMPLES / script), *args],
         env=env,
