@@ -63,7 +63,7 @@ unit: setup sglang-setup
 # lane keeps about one core busy): the two venvs install side by side (the
 # torch 2.14.1 lane starts as soon as its venv is ready), then the lanes,
 # longest first, each in whichever slot frees first, then lint and mypy.
-# Lanes are whole modules (a module shares its engines), of 4 to 9 minutes
+# Lanes are whole modules (a module shares its engines), of 1 to 20 minutes
 # each here (`make test DURATIONS=0` lists every test's time).
 SGLANG_TESTS := tests/test_sglang_zoo.py tests/test_sglang.py
 VLLM_TESTS := tests/test_vllm_clients.py tests/test_vllm_faults.py tests/test_delta_engines.py \
