@@ -80,7 +80,10 @@ def test_bad_layouts_fail_on_every_rank_before_any_byte_moves(case, needle):
 
 
 def _never_joins(rank: int, address: str) -> dict:
-    cfg = GroupConfig(address=address, num_sources=1, num_destinations=2, timeout_s=3, host_store=False)
+    # What must succeed within the timeout (reaching the store, registering)
+    # gets 20 s: with 3 s, a live rank on a loaded machine once failed to
+    # reach the test's store in time instead of seeing rank 2 missing.
+    cfg = GroupConfig(address=address, num_sources=1, num_destinations=2, timeout_s=20, host_store=False)
     t0 = time.monotonic()
     t = torch.zeros(4)
     try:
@@ -106,7 +109,7 @@ def test_a_peer_that_never_joins_fails_every_rank_within_the_timeout():
     for r in results:
         assert r["step"] == "join"
         assert "rank(s) [2] did not join the refit group" in r["error"]
-        assert r["seconds"] < 3 + 15  # the 3 s timeout, generous on a busy machine
+        assert r["seconds"] < 20 + 15  # the 20 s timeout, generous on a busy machine
 
 
 def _dies_mid_transfer(rank: int, address: str) -> dict:
@@ -228,7 +231,8 @@ def _store_dies(rank: int, address: str, tmp: str) -> dict:
     import pathlib
 
     d = pathlib.Path(tmp)
-    cfg = GroupConfig(address=address, num_sources=1, num_destinations=2, timeout_s=8, host_store=False)
+    # 20 s, not less: phase 3 must reach the restarted store and refit within it.
+    cfg = GroupConfig(address=address, num_sources=1, num_destinations=2, timeout_s=20, host_store=False)
     ep, t = _big_endpoint(rank, cfg, 1.0)
     go = ep.push if rank == 0 else ep.pull
     out: dict = {}
@@ -289,11 +293,11 @@ def test_the_store_host_dying_before_connect_or_mid_refit_fails_every_rank_and_t
     for r in out:
         step, text, secs = r["before"]
         assert step == "join" and f"cannot reach the refit store at {address}" in text, text
-        assert secs < 8 + 5
+        assert secs < 20 + 15
         step, text, secs = r["mid"]
         assert step == "transfer", text
         assert "is unreachable (did its host process die?)" in text, text
-        assert secs < 8 + 5
+        assert secs < 20 + 15
         assert r["after"]
 
 
