@@ -31,8 +31,15 @@ def run(tmp_path_factory):
 def test_soak_of_many_refits_keeps_memory_threads_and_sockets_flat(run):
     soak = run["soak"]
     assert soak["trainer"]["ok"], soak["trainer"]
-    s = soak["samples"]
-    first, mid, last = s[10], s[SOAK // 2], s[SOAK - 1]
+    s = {int(i): v for i, v in soak["samples"].items()}
+
+    def floor(end: int) -> dict[str, int]:
+        # The least over three refits in a row: a thread or socket that lives
+        # a moment past a refit (vLLM's or Python's; once seen: 2, 3, 2
+        # threads) is not a leak; a leak raises the floor.
+        return {k: min(s[i][k] for i in range(end - 2, end + 1)) for k in s[end]}
+
+    first, mid, last = floor(10), floor(SOAK // 2), floor(SOAK - 1)
     # After warm-up, RSS must not grow with the number of refits.
     assert last["rss"] - mid["rss"] < 32 << 20, s
     for k in ("threads", "fds", "children", "connections"):
