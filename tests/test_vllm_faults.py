@@ -31,7 +31,7 @@ def run(tmp_path_factory):
 def test_soak_of_many_refits_keeps_memory_threads_and_sockets_flat(run):
     soak = run["soak"]
     assert soak["trainer"]["ok"], soak["trainer"]
-    s = {int(i): v for i, v in soak["samples"].items()}
+    s = soak["samples"]
 
     def floor(end: int) -> dict[str, int]:
         # The least over three refits in a row: a thread or socket that lives
