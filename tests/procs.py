@@ -58,8 +58,7 @@ def ray_init(**kwargs: Any) -> None:
     ray.init(**kwargs)
 
 
-RAY_NICENESS = "RAY_worker_niceness"
-RAY_TEST_ENV = {RAY_NICENESS: "0", "RAY_memory_monitor_refresh_ms": "0"}
+RAY_TEST_ENV = {"RAY_worker_niceness": "0", "RAY_memory_monitor_refresh_ms": "0"}
 """Read by Ray's raylet and workers when they start (examples get them
 through their environment): workers at nice 0, no memory monitor (0 turns
 it off; the kernel still stops a process that runs the machine out of
