@@ -262,6 +262,21 @@ def test_mutated_layouts_are_rejected_clearly_or_planned(p, data):
         (dict(grids=(Grid(tensors=(0, 5, 1), mesh=Mesh(shape=(2,)), shard=((0,), ())),)), "of a table of 1"),
         (dict(grids=(Grid(tensors=(0, 1, 0), mesh=Mesh(shape=(2,)), shard=((0,), ())),)), "of a table of 1"),
         (dict(version=2), "layout version 2"),
+        # Found by the fuzzer: a local's dtype reached the planner's byte counts.
+        (dict(locals=(LocalTensor("w", (4, 6), "x"),)), "local tensor 'w' has unknown dtype 'x'"),
+        (
+            dict(
+                grids=(
+                    Grid(
+                        tensors=(0, 1, 1),
+                        mesh=Mesh(shape=(2,)),
+                        shard=((0,), ()),
+                        local=LocalTensor("g", (2, 6), "int4"),
+                    ),
+                )
+            ),
+            "local tensor 'g' has unknown dtype 'int4'",
+        ),
         (dict(tensors=(TensorMeta("w", (4, 6), "float32"),) * 2), "'w' appears twice in its table"),
     ],
 )
