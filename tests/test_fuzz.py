@@ -275,7 +275,7 @@ def test_mutated_layouts_are_rejected_clearly_or_planned(p, data):
                     ),
                 )
             ),
-            "local tensor 'g' has unknown dtype 'int4'",
+            "grid 0: local tensor 'g' has unknown dtype 'int4'",
         ),
         (dict(tensors=(TensorMeta("w", (4, 6), "float32"),) * 2), "'w' appears twice in its table"),
     ],

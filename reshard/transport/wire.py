@@ -258,7 +258,7 @@ def check_layout(layout: Layout, *, ranks: range) -> None:
             raise bad(f"tensor {t.name!r} has unknown dtype {t.dtype!r}")
         _check_shape(t.shape, f"tensor {t.name!r}", bad)
     for i, loc in enumerate(layout.locals):
-        _check_local(loc, f"local tensor {i}", bad)
+        _check_local(loc, f"local tensor {i}", "", bad)
     nt, nl = len(layout.tensors), len(layout.locals)
     for i, p in enumerate(layout.pieces):
         if not 0 <= p.tensor < nt or not 0 <= p.local < nl:
@@ -284,12 +284,14 @@ def _check_shape(shape: tuple[int, ...], what: str, bad) -> None:
         raise bad(f"{what} of shape {list(shape)} has more than 2**48 elements")
 
 
-def _check_local(loc: LocalTensor, what: str, bad) -> None:
+def _check_local(loc: LocalTensor, unnamed: str, where: str, bad) -> None:
+    """``unnamed``: what to call a local without a name; ``where``: a prefix
+    naming the grid it belongs to (empty for the layout's own locals)."""
     if not loc.name:
-        raise bad(f"{what} has an empty name")
+        raise bad(f"{where}{unnamed} has an empty name")
     if loc.dtype and loc.dtype not in DTYPE_SIZES:
-        raise bad(f"local tensor {loc.name!r} has unknown dtype {loc.dtype!r}")
-    _check_shape(loc.shape, f"local tensor {loc.name!r}", bad)
+        raise bad(f"{where}local tensor {loc.name!r} has unknown dtype {loc.dtype!r}")
+    _check_shape(loc.shape, f"{where}local tensor {loc.name!r}", bad)
 
 
 def _check_storage(offset: tuple[int, ...], dims: tuple[int, ...], nd: int, local_nd: int, what: str, bad) -> None:
@@ -340,7 +342,7 @@ def _check_grid(g: Grid, tensors: tuple[TensorMeta, ...], ranks: range, what: st
         if len(meta.shape) != nd:
             raise bad(f"{what}: shard spec {g.shard} for {meta.name!r} of shape {list(meta.shape)}")
     if g.local is not None:
-        _check_local(g.local, f"{what}: local tensor", bad)
+        _check_local(g.local, "local tensor", f"{what}: ", bad)
         local_nd = len(g.local.shape)
         _check_storage(g.offset, g.dims, nd, local_nd, what, bad)
         if g.step and len(g.step) != local_nd:
