@@ -324,13 +324,13 @@ def _leader_of(round_bytes: int) -> int:
     return leaders.pop()
 
 
-def _replica(rank: int, address: str, value: float, die_after: int | None) -> dict:
+def _replica(rank: int, address: str, value: float, die_after: int | None, timeout_s: float = 20) -> dict:
     """Ranks 1-3 keep the whole tensor, in one domain: a leader pulls, forwards."""
     cfg = GroupConfig(
         address=address,
         num_sources=1,
         num_destinations=3,
-        timeout_s=20,
+        timeout_s=timeout_s,
         host_store=False,
         domain="trainer" if rank == 0 else "engines",
         checksums=True,
@@ -378,7 +378,10 @@ def _leader_dies(rank: int, address: str, leader: int) -> dict:
         # two rounds and forwarded one; this process is its replacement.
         first = procs.spawn(_first_life_of_the_leader, rank, address, daemon=False).outcome(120)
         assert first.exitcode == 17, first
-        r = _replica(rank, address, 0.0, die_after=None)  # refit 1, in the rebuilt group
+        # Refit 1, in the rebuilt group. Its join waits for the others to notice
+        # the first life's death (up to their 20 s timeout) and come back, so
+        # it gets the timeout of a step that must succeed.
+        r = _replica(rank, address, 0.0, die_after=None, timeout_s=procs.GROUP_TIMEOUT_S)
         ep, local = r["ep"], r["local"]
         result = {"first": "died", "second": bool((local == 1.0).all())}
     else:
