@@ -112,37 +112,54 @@ def test_a_peer_that_never_joins_fails_every_rank_within_the_timeout():
         assert r["seconds"] < 20 + 15  # the 20 s timeout, generous on a busy machine
 
 
+# Failure-detection tests whose ranks must first join: joining gets the timeout
+# of a step that must succeed (a rank's process can start long after the others'
+# on a loaded machine), and the time to notice a death is taken from the moment
+# every rank has joined, so it measures detection, not process starts. The bound
+# is generous on a busy machine and far below the timeout: a death noticed only
+# by the timeout fails it.
+NOTICED_WITHIN_S = 60
+assert NOTICED_WITHIN_S * 4 < procs.GROUP_TIMEOUT_S
+
+
 def _dies_mid_transfer(rank: int, address: str) -> dict:
     # 4 MiB per tensor, 64 KiB rounds: many rounds; rank 0 dies after its first.
-    cfg = GroupConfig(address=address, num_sources=2, num_destinations=2, timeout_s=20, host_store=False)
+    cfg = GroupConfig(
+        address=address, num_sources=2, num_destinations=2, timeout_s=procs.GROUP_TIMEOUT_S, host_store=False
+    )
     meta = TensorMeta("big", (1024, 1024), "float32")
+    ep: Sender | Receiver
+    if rank < 2:
+        local = torch.full((512, 1024), float(rank))
+        ep = Sender.from_pieces(
+            [PieceSpec(meta, Box((rank * 512, 0), (512, 1024)), "b", (512, 1024))],
+            {"b": local},
+            config=cfg,
+            rank=rank,
+            round_bytes=64 << 10,
+        )
+    else:
+        j = rank - 2
+        dst = torch.zeros(1024, 512)
+        ep = Receiver(
+            {"b": dst},
+            [PieceSpec(meta, Box((0, j * 512), (1024, 512)), "b", (1024, 512))],
+            config=cfg,
+            rank=rank,
+            round_bytes=64 << 10,
+        )
+    ep.connect()
     t0 = time.monotonic()
     try:
-        if rank < 2:
-            local = torch.full((512, 1024), float(rank))
-            s = Sender.from_pieces(
-                [PieceSpec(meta, Box((rank * 512, 0), (512, 1024)), "b", (512, 1024))],
-                {"b": local},
-                config=cfg,
-                rank=rank,
-                round_bytes=64 << 10,
-            )
+        if isinstance(ep, Sender):
 
             def die(i: int) -> None:
                 if rank == 0 and i >= 1:
                     os._exit(17)
 
-            s.push(1, after_round=die)
+            ep.push(1, after_round=die)
         else:
-            j = rank - 2
-            dst = torch.zeros(1024, 512)
-            Receiver(
-                {"b": dst},
-                [PieceSpec(meta, Box((0, j * 512), (1024, 512)), "b", (1024, 512))],
-                config=cfg,
-                rank=rank,
-                round_bytes=64 << 10,
-            ).pull(1)
+            ep.pull(1)
     except RefitError as e:
         return {"step": e.step, "error": str(e), "seconds": time.monotonic() - t0}
     return {"step": None, "seconds": time.monotonic() - t0}
@@ -156,7 +173,7 @@ def test_a_peer_killed_mid_transfer_fails_every_live_rank_within_the_timeout():
         assert o.ok, o.error
         r = o.value
         assert r["step"] == "transfer", r
-        assert r["seconds"] < 20, r  # the dead rank is noticed long before the 20 s timeout
+        assert r["seconds"] < NOTICED_WITHIN_S, r  # noticed, not timed out
         assert "rank 0" in r["error"] or "Connection closed" in r["error"] or "did not report" in r["error"]
 
 
@@ -324,13 +341,13 @@ def _leader_of(round_bytes: int) -> int:
     return leaders.pop()
 
 
-def _replica(rank: int, address: str, value: float, die_after: int | None, timeout_s: float = 20) -> dict:
+def _replica(rank: int, address: str, value: float, die_after: int | None) -> dict:
     """Ranks 1-3 keep the whole tensor, in one domain: a leader pulls, forwards."""
     cfg = GroupConfig(
         address=address,
         num_sources=1,
         num_destinations=3,
-        timeout_s=timeout_s,
+        timeout_s=procs.GROUP_TIMEOUT_S,
         host_store=False,
         domain="trainer" if rank == 0 else "engines",
         checksums=True,
@@ -356,6 +373,7 @@ def _replica(rank: int, address: str, value: float, die_after: int | None, timeo
             os._exit(17)
 
     out: dict = {}
+    ep.connect()
     t0 = time.monotonic()
     try:
         if rank == 0:
@@ -376,12 +394,11 @@ def _leader_dies(rank: int, address: str, leader: int) -> dict:
     if rank == leader:
         # The leader's first life, in a child process that dies after it pulled
         # two rounds and forwarded one; this process is its replacement.
-        first = procs.spawn(_first_life_of_the_leader, rank, address, daemon=False).outcome(120)
+        first = procs.spawn(_first_life_of_the_leader, rank, address, daemon=False).outcome(procs.GROUP_TIMEOUT_S)
         assert first.exitcode == 17, first
-        # Refit 1, in the rebuilt group. Its join waits for the others to notice
-        # the first life's death (up to their 20 s timeout) and come back, so
-        # it gets the timeout of a step that must succeed.
-        r = _replica(rank, address, 0.0, die_after=None, timeout_s=procs.GROUP_TIMEOUT_S)
+        # Refit 1, in the rebuilt group (its join waits for the others to notice
+        # the first life's death and come back).
+        r = _replica(rank, address, 0.0, die_after=None)
         ep, local = r["ep"], r["local"]
         result = {"first": "died", "second": bool((local == 1.0).all())}
     else:
@@ -415,5 +432,5 @@ def test_a_leader_killed_while_forwarding_fails_every_rank_and_the_group_is_rebu
             step, text, secs = r["first"]
             assert step == "transfer", text
             assert f"rank {leader}" in text, text
-            assert secs < 20, secs  # noticed well before the 20 s timeout
+            assert secs < NOTICED_WITHIN_S, secs  # noticed, not timed out
         assert r["second"] and r["third"], (rank, r)
