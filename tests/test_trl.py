@@ -15,7 +15,8 @@ largest gap between the engine's sampling logprobs and the trainer's
 recomputed ones, per step), the refits (one per step), the bytes (each
 worker receives exactly what it keeps; the trainer ranks send it between
 them), that TRL's NCCL communicator never exists, and that after a last
-refit the engine's greedy tokens equal those of the trainer's weights.
+refit the engine's greedy tokens are the trainer's own choices on its weights
+(up to float32 rounding at a near-tie).
 """
 
 from __future__ import annotations
@@ -38,6 +39,10 @@ STEPS = 3
 IN_STEP = 0.1
 """The largest logprob gap (nats) a synced step may show: float32 on both
 sides, so what remains is kernel rounding (about 1e-6 here)."""
+TIE = 1e-3
+"""The largest gap (nats) between the trainer's most likely next token and
+the engine's greedy choice at any position, teacher-forced: 0 where they
+agree, float32 rounding (about 1e-6) where a near-tie splits them."""
 STALE = 1.0
 """The gap the control run must exceed at some step: the engine generates
 from the initial weights while the policy moves (2.6 and 4.1 here)."""
@@ -132,10 +137,22 @@ def test_server_mode_trl_logprob_gap_stays_small_with_refits(server_runs):
     _check_logprobs(server_runs)
 
 
+def _check_engine_tokens(rank0: dict) -> None:
+    """The engine's greedy tokens are the trainer's own choices, position by
+    position (teacher-forced on the trainer's weights), up to float32
+    rounding: a near-tie may let transformers and vLLM pick different tokens,
+    so the sequences themselves are not compared."""
+    print(f"engine greedy tokens: largest gap to the trainer's choice {rank0['engine_gap']} nats")
+    assert rank0["engine_greedy"] and rank0["engine_gap"] is not None
+    assert rank0["engine_gap"] < TIE, (rank0["engine_gap"], rank0["engine_greedy"], rank0["greedy"])
+
+
 def test_server_mode_serves_the_trainers_weights(server_runs):
-    trainer = server_runs["synced"][0]["greedy"]
-    assert trainer is not None and server_runs["server_tokens"] == trainer
-    assert server_runs["control"][0]["greedy"] != trainer
+    rank0 = server_runs["synced"][0]
+    _check_engine_tokens(rank0)
+    # The server still serves them after the trainers are gone.
+    assert server_runs["server_tokens"] == rank0["engine_greedy"]
+    assert server_runs["control"][0]["greedy"] != rank0["greedy"]
 
 
 def test_colocate_mode_refits_every_step(colocate_runs):
@@ -158,6 +175,6 @@ def test_colocate_mode_trl_logprob_gap_stays_small_with_refits(colocate_runs):
 
 def test_colocate_mode_engines_serve_the_trainers_weights(colocate_runs):
     synced = colocate_runs["synced"]
-    trainer = synced[0]["greedy"]
-    assert trainer is not None
-    assert [o["engine_greedy"] for o in synced] == [trainer] * WORLD
+    _check_engine_tokens(synced[0])
+    # Every rank's engine holds the same weights: the same kernels, the same tokens.
+    assert [o["engine_greedy"] for o in synced] == [synced[0]["engine_greedy"]] * WORLD

@@ -135,11 +135,18 @@ def grpo_rank(
         out["refits"] = trainer.reshard.refits
         out["engine_stats"] = [[_plain(s) for s in refit] for refit in trainer.reshard.engine_stats]
         out["sent"] = [s.exec.bytes_sent for s in trainer.reshard.stats]
-    out["greedy"] = _trainer_greedy(trainer, greedy_prompts)
+    # The engine's greedy tokens now (rank 0 asks the server; in colocate mode
+    # every rank its own engine), checked against the trainer's weights below.
+    engine: list[list[int]] | None = None
     if mode == "colocate":
         from reshard.testing.engines import greedy
 
-        out["engine_greedy"] = greedy(trainer.vllm_generation.llm, greedy_prompts)
+        engine = out["engine_greedy"] = greedy(trainer.vllm_generation.llm, greedy_prompts)
+    elif sync and rank == 0:
+        from .vllm_support import server_greedy
+
+        engine = out["engine_greedy"] = server_greedy(url, greedy_prompts)
+    out["greedy"], out["engine_gap"] = _trainer_greedy(trainer, greedy_prompts, engine)
     trainer.close_reshard()
     if mode == "colocate":
         from reshard.testing.engines import shutdown
@@ -156,21 +163,29 @@ def _plain(stats: Any) -> dict[str, Any]:
     return msgspec.to_builtins(stats)
 
 
-def _trainer_greedy(trainer: Any, prompts: list[list[int]]) -> list[list[int]] | None:
+def _trainer_greedy(
+    trainer: Any, prompts: list[list[int]], engine: list[list[int]] | None
+) -> tuple[list[list[int]] | None, float | None]:
     """Rank 0: greedy tokens of the trainer's current weights (gathered here
-    for the check only, by transformers on a fresh copy)."""
+    for the check only, by transformers on a fresh copy) and, given the
+    engine's greedy tokens, the largest gap (nats) at any of their positions
+    between the trainer's most likely next token and the engine's choice,
+    teacher-forced: 0 where both pick the same token; where a near-tie lets
+    the two implementations pick different ones on the same weights, float32
+    rounding (about 1e-6); far larger on other weights."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
     model = trainer.accelerator.unwrap_model(trainer.model_wrapped)
     state = _full_state(model)
     if trainer.accelerator.process_index != 0:
-        return None
+        return None, None
     config = AutoConfig.from_pretrained(model.config._name_or_path)
     fresh = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     fresh.load_state_dict(state)
     fresh.eval()
     out = []
+    gap = None
     with torch.no_grad():
         for p in prompts:
             ids = torch.tensor([p])
@@ -178,7 +193,13 @@ def _trainer_greedy(trainer: Any, prompts: list[list[int]]) -> list[list[int]] |
                 ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False, min_new_tokens=12
             )
             out.append(gen[0, len(p) :].tolist())
-    return out
+        for p, tokens in zip(prompts, engine, strict=True) if engine is not None else ():
+            ids = torch.tensor([p + tokens])
+            logp = torch.log_softmax(fresh(ids).logits[0, len(p) - 1 : -1].float(), dim=-1)
+            chosen = logp.gather(1, torch.tensor(tokens).unsqueeze(1)).squeeze(1)
+            worst = float((logp.max(dim=1).values - chosen).max())
+            gap = worst if gap is None else max(gap, worst)
+    return out, gap
 
 
 def _full_state(model: Any) -> dict[str, Any]:
