@@ -81,6 +81,9 @@ def _marking_env():
 
 
 def _join_with_env(rank: int, address: str) -> dict:
+    import datetime
+
+    import torch
     import torch.distributed as dist
 
     from reshard.transport.group import GroupConfig, RefitGroup
@@ -106,7 +109,17 @@ def _join_with_env(rank: int, address: str) -> dict:
         )
         group = RefitGroup.join(cfg, rank=rank)
         try:
-            return {"seen": seen, "after": os.environ.get(_PG_ENV)}
+            after = os.environ.get(_PG_ENV)
+            # The group built inside pg_env carries a collective.
+            one = torch.ones(1)
+            group.pg.allreduce([one]).wait()
+            # Neither rank drops its group before both are done with it: a rank
+            # whose gloo connect returned first may otherwise close while its
+            # peer is still connecting (a fresh clone beside a busy loop: the
+            # peer's join failed, "Connection closed by peer").
+            group.store.set(f"done/{rank}", b"1")
+            group.store.wait([f"done/{r}" for r in range(2)], datetime.timedelta(seconds=procs.GROUP_TIMEOUT_S))
+            return {"seen": seen, "after": after, "sum": one.item()}
         finally:
             group.close()
     finally:
@@ -116,7 +129,7 @@ def _join_with_env(rank: int, address: str) -> dict:
 def test_the_refit_group_builds_its_process_group_inside_pg_env():
     server = procs.StoreServer()
     for r in procs.check(procs.run(_join_with_env, 2, server.address, timeout=120)):
-        assert r["seen"] == ["inside"] and r["after"] is None, r
+        assert r["seen"] == ["inside"] and r["after"] is None and r["sum"] == 2.0, r
 
 
 class _Runner:
