@@ -10,7 +10,7 @@ from contextlib import contextmanager
 
 import msgspec
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from reshard.errors import MetadataError, PlanError, Problem
@@ -227,22 +227,82 @@ def _mutate(data, obj):
     return data.draw(st.one_of(_INTS, st.just([]), st.just(None)))
 
 
-@FUZZ
-@given(problems(max_ranks=3), st.data())
-def test_mutated_layouts_are_rejected_clearly_or_planned(p, data):
-    side = data.draw(st.sampled_from(["src", "dst"]))
+@st.composite
+def mutated_problems(draw) -> tuple[list[Layout], list[Layout], dict[int, int]] | None:
+    """A valid problem with one rank's layout changed deep inside (1-3
+    changes); ``None`` when the decoder would refuse the changed layout (as
+    MetadataError on the wire)."""
+    p = draw(problems(max_ranks=3))
+    side = draw(st.sampled_from(["src", "dst"]))
     layouts = list(getattr(p, side))
-    i = data.draw(st.integers(0, len(layouts) - 1))
+    i = draw(st.integers(0, len(layouts) - 1))
     raw = msgspec.to_builtins(layouts[i])
-    for _ in range(data.draw(st.integers(1, 3))):
+    data = draw(st.data())
+    for _ in range(draw(st.integers(1, 3))):
         raw = _mutate(data, raw)
     try:
         layouts[i] = msgspec.convert(raw, Layout)
     except msgspec.ValidationError:
-        return  # the decoder refuses it (as MetadataError on the wire)
+        return None
     src, dst = (layouts, p.dst) if side == "src" else (p.src, layouts)
-    with deadline(20):
-        _plan_everything(src, dst, p.domain_of)
+    return src, dst, p.domain_of
+
+
+def _grid(rank: int, start: int, stop: int) -> Grid:
+    return Grid(tensors=(start, stop, 1), mesh=Mesh(shape=(1,), ranks=(rank,)), shard=((),))
+
+
+_STALL_TABLE = tuple(
+    TensorMeta(n, (1,), "float32") for n in ("model.g0.t0.weight", "model.g0.t1.weight", "model.g1.t0.weight")
+)
+STALL = (
+    # Found by the fuzzer (seed 255565009511103148063601438894549950811, shrunk):
+    # one destination table gives a tensor a dim of 2**40 that the sources
+    # hold as [1]; the planner walked every row block of it before comparing
+    # the tables, for minutes, on every rank.
+    [
+        Layout(rank=0, tensors=_STALL_TABLE, grids=(_grid(0, 0, 2), _grid(0, 2, 3))),
+        Layout(rank=1, tensors=_STALL_TABLE),
+    ],
+    [
+        Layout(
+            rank=2,
+            tensors=(TensorMeta("model.g0.t0.weight", (2**40,), "float32"), *_STALL_TABLE[1:]),
+            locals=(LocalTensor("model.g0.t1.weight#0", (1,)),),
+            pieces=(Piece(1, Box((0,), (1,)), 0, (0,)),),
+            grids=(_grid(2, 2, 3),),
+        )
+    ],
+    {0: 0, 1: 0, 2: 0},
+)
+
+HANG_BUDGET_S = 300
+"""A hang guard, not a speed check: planning these tiny layouts costs no more
+than their pieces and ranks (tests/test_plan_scale.py counts it), which a
+quiet machine does in milliseconds."""
+
+
+@FUZZ
+@given(mutated_problems())
+@example(STALL)
+def test_mutated_layouts_are_rejected_clearly_or_planned(case):
+    if case is None:
+        return
+    src, dst, domain_of = case
+    with deadline(HANG_BUDGET_S):
+        _plan_everything(src, dst, domain_of)
+
+
+def test_the_stall_the_fuzzer_found_is_refused_by_name():
+    src, dst, domain_of = STALL
+    assert _plan_everything(src, dst, domain_of) == "plan"
+    planner = Planner(
+        LayoutSet.from_layouts("source", src), LayoutSet.from_layouts("destination", dst), round_bytes=256
+    )
+    with pytest.raises(
+        PlanError, match=r"source rank 0 has shape \[1\] float32, destination rank 2 needs shape \[1099511627776\]"
+    ):
+        planner.plan_for(0)
 
 
 @pytest.mark.parametrize(

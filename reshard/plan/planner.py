@@ -150,6 +150,8 @@ class Planner:
     ) -> None:
         if split_bytes <= 0:
             raise ValueError(f"split_bytes must be positive, got {split_bytes}")
+        if round_bytes <= 0:
+            raise ValueError(f"round_bytes must be positive, got {round_bytes}")
         self.sources = sources
         self.dests = dests
         if domain_of is None:
@@ -170,7 +172,17 @@ class Planner:
             self.order: list[TensorMeta] = sorted(dests.metas.values(), key=lambda m: natural_key(m.name))
             self.ordinal = {m.name: i for i, m in enumerate(self.order)}
             self._families = self._build_families()
-            self.rounds = RoundTable(self.order, round_bytes, self._shares())
+        self.round_bytes = round_bytes
+        self._rounds: RoundTable | None = None
+
+    @property
+    def rounds(self) -> RoundTable:
+        """The round table, built on first use: only once the inputs passed
+        their checks, since its shares walk every grid's ranks."""
+        if self._rounds is None:
+            with gc_paused():
+                self._rounds = RoundTable(self.order, self.round_bytes, self._shares())
+        return self._rounds
 
     # -- inputs -----------------------------------------------------------
 
@@ -550,7 +562,7 @@ class Planner:
                 rows.append(row)  # type: ignore[union-attr]
             prepared.append((part, period, rows, reg, base))
         src_grids, dst_grids = self.sources.grids, self.dests.grids
-        block_rounds = self.rounds.block_rounds
+        single_round = self.rounds.single
         split = self.rounds.split
         itemsize = fam.itemsize
         src_metas, dst_metas = self.sources.metas, self.dests.metas
@@ -560,7 +572,7 @@ class Planner:
             dst_store = fam.dst_store[m]
             src_dtype = src_metas[name].dtype
             dst_dtype = dst_metas[name].dtype
-            single = block_rounds[ordinal][0] if len(block_rounds[ordinal]) == 1 else None
+            single = single_round(ordinal)
             for part, period, rows, reg, base in prepared:
                 if rows is None:
                     row = []

@@ -8,10 +8,13 @@ from collections.abc import Sequence
 from reshard.plan.box import Box
 from reshard.plan.layout import TensorMeta
 
-__all__ = ["DEFAULT_ROUND_BYTES", "RoundTable"]
+__all__ = ["DEFAULT_ROUND_BYTES", "SHARE_UNITS", "RoundTable"]
 
 DEFAULT_ROUND_BYTES = 128 << 20
 """Weighted bytes per round unless a rank asks for less (see :class:`RoundTable`)."""
+
+SHARE_UNITS = 1 << 16
+"""A tensor's share is counted in this many parts of it (rounded up)."""
 
 
 class RoundTable:
@@ -23,6 +26,20 @@ class RoundTable:
     the whole tensor). A round holds at most ``round_bytes`` of weight, so no
     rank stages more than that per round for its own pieces, while tensors
     cut into many pieces share rounds instead of taking one each.
+
+    Weights are integers in units of ``1 / SHARE_UNITS`` byte: the share is
+    rounded up to a multiple of ``1 / SHARE_UNITS`` of the tensor, and no
+    other rounding happens, so a layout whose tensors are all ``k`` times
+    larger, planned with ``k`` times the budget, gets the same rounds.
+
+    Blocks are packed greedily in tensor order: a block joins the open round
+    when it fits, else opens the next. Only a tensor's first block can join
+    a round opened before it: a block holds ``rpb = round_bytes // w`` rows
+    of weight ``w`` (at least one), so a full block and one more row weigh
+    more than a round, and every later block opens its own round. The table
+    therefore keeps three integers per tensor (rows per block, blocks, first
+    round), built in time linear in the number of tensors, whatever their
+    bytes or the round budget.
     """
 
     def __init__(self, metas: Sequence[TensorMeta], round_bytes: int, shares: Sequence[int] | None = None) -> None:
@@ -30,7 +47,9 @@ class RoundTable:
             raise ValueError(f"round_bytes must be positive, got {round_bytes}")
         self.round_bytes = round_bytes
         self.rows_per_block: list[int] = []
-        self.block_rounds: list[list[int]] = []
+        self.num_blocks: list[int] = []
+        self.first_round: list[int] = []
+        budget = round_bytes * SHARE_UNITS
         rnd, fill = 0, 0
         for i, meta in enumerate(metas):
             rows = meta.shape[0] if meta.shape else 1
@@ -38,30 +57,42 @@ class RoundTable:
             share = numel if shares is None else min(max(shares[i], 1), numel)
             row_bytes = meta.nbytes // rows if rows else 0
             # Integer arithmetic only: every rank must cut identically.
-            row_weight = -(-row_bytes * share // numel) if numel else 0
-            rpb = max(1, round_bytes // row_weight) if row_weight else max(rows, 1)
+            row_weight = row_bytes * -(-share * SHARE_UNITS // numel) if numel else 0
+            rpb = max(1, budget // row_weight) if row_weight else max(rows, 1)
             nblocks = max(1, -(-rows // rpb))
-            rounds = []
-            for b in range(nblocks):
-                ub = min(rpb, rows - b * rpb) * row_weight
-                if fill and fill + ub > round_bytes:
-                    rnd += 1
-                    fill = 0
-                fill += ub
-                rounds.append(rnd)
+            first = min(rpb, rows) * row_weight
+            if fill and fill + first > budget:
+                rnd += 1
+                fill = 0
+            self.first_round.append(rnd)
+            if nblocks == 1:
+                fill += first
+            else:
+                rnd += nblocks - 1
+                fill = (rows - (nblocks - 1) * rpb) * row_weight
             self.rows_per_block.append(rpb)
-            self.block_rounds.append(rounds)
+            self.num_blocks.append(nblocks)
         self.num_rounds = rnd + 1 if metas else 0
+
+    def single(self, ordinal: int) -> int | None:
+        """The round of the whole tensor when it is one block, else ``None``."""
+        return self.first_round[ordinal] if self.num_blocks[ordinal] == 1 else None
+
+    def block_round(self, ordinal: int, block: int) -> int:
+        """The round of row block ``block`` of the tensor at ``ordinal``."""
+        if not 0 <= block < self.num_blocks[ordinal]:
+            raise IndexError(f"tensor {ordinal} has {self.num_blocks[ordinal]} row blocks, not block {block}")
+        return self.first_round[ordinal] + block
 
     def split(self, ordinal: int, box: Box) -> list[tuple[int, Box]]:
         """``box`` cut at row-block boundaries, with the round of each part."""
-        rounds = self.block_rounds[ordinal]
-        if box.ndim == 0 or len(rounds) == 1:
-            return [(rounds[0], box)]
+        first = self.first_round[ordinal]
+        if box.ndim == 0 or self.num_blocks[ordinal] == 1:
+            return [(first, box)]
         rpb = self.rows_per_block[ordinal]
         lo, hi = box.offsets[0], box.offsets[0] + box.sizes[0]
         out = []
         for b in range(lo // rpb, (hi - 1) // rpb + 1):
             a, z = max(lo, b * rpb), min(hi, (b + 1) * rpb)
-            out.append((rounds[b], Box((a, *box.offsets[1:]), (z - a, *box.sizes[1:]))))
+            out.append((first + b, Box((a, *box.offsets[1:]), (z - a, *box.sizes[1:]))))
         return out
