@@ -45,16 +45,17 @@ demo: setup
 
 LINT_PATHS := $(wildcard reshard tests benchmarks examples)
 
+LANE := bash scripts/lane.sh
+
 lint: setup
-	$(BIN)/ruff check $(LINT_PATHS)
-	$(BIN)/ruff format --check $(LINT_PATHS)
+	$(LANE) $@ sh -c '$(BIN)/ruff check $(LINT_PATHS) && $(BIN)/ruff format --check $(LINT_PATHS)'
 
 typecheck: setup
-	$(BIN)/mypy
+	$(LANE) $@ $(BIN)/mypy
 
 # DURATIONS=0 lists every test's time (to rebalance the lanes).
 DURATIONS ?= 15
-PYTEST := RESHARD_SGLANG_VENV=$(abspath $(SGLANG_VENV)) $(BIN)/python -m pytest -q --durations=$(DURATIONS)
+PYTEST := env RESHARD_SGLANG_VENV=$(abspath $(SGLANG_VENV)) $(BIN)/python -m pytest -q --durations=$(DURATIONS)
 
 unit: setup sglang-setup
 	$(PYTEST) tests
@@ -64,7 +65,9 @@ unit: setup sglang-setup
 # torch 2.14.1 lane starts as soon as its venv is ready), then the lanes,
 # longest first, each in whichever slot frees first, then lint and mypy.
 # Lanes are whole modules (a module shares its engines), of 1 to 20 minutes
-# each here (`make test DURATIONS=0` lists every test's time).
+# each here (`make test DURATIONS=0` lists every test's time). With `-k` a
+# failing lane does not stop the others; the summary at the end lists every
+# lane's status and failures (scripts/lane.sh), and make's status is kept.
 SGLANG_TESTS := tests/test_sglang_zoo.py tests/test_sglang.py
 VLLM_TESTS := tests/test_vllm_clients.py tests/test_vllm_faults.py tests/test_delta_engines.py \
 	tests/test_vllm_server.py tests/test_vllm_backend.py tests/test_vllm_load.py tests/test_vllm_versions.py
@@ -93,33 +96,34 @@ LANES := unit-examples unit-rest unit-vllm unit-sglang unit-frameworks unit-zoo 
 .PHONY: $(LANES)
 
 test:
-	$(MAKE) -j2 $(LANES) lint typecheck
+	@rm -rf .test-lanes
+	@$(MAKE) -k -j2 $(LANES) lint typecheck; rc=$$?; $(LANE) --summary $$rc $(LANES) lint typecheck; exit $$rc
 
 unit-torch214: sglang-setup
-	$(SGLANG_VENV)/bin/python -m pytest -q -p no:cacheprovider --durations=$(DURATIONS) $(CORE_TESTS) \
+	$(LANE) $@ $(SGLANG_VENV)/bin/python -m pytest -q -p no:cacheprovider --durations=$(DURATIONS) $(CORE_TESTS) \
 		$(addprefix --deselect=tests/,$(CORE_SKIP_TORCH214))
 
 unit-sglang: setup sglang-setup
-	$(PYTEST) $(SGLANG_TESTS)
+	$(LANE) $@ $(PYTEST) $(SGLANG_TESTS)
 
 unit-vllm: setup sglang-setup
-	$(PYTEST) $(VLLM_TESTS)
+	$(LANE) $@ $(PYTEST) $(VLLM_TESTS)
 
 unit-frameworks: setup sglang-setup
-	$(PYTEST) $(FRAMEWORK_TESTS)
+	$(LANE) $@ $(PYTEST) $(FRAMEWORK_TESTS)
 
 unit-trainers: setup sglang-setup
-	$(PYTEST) $(TRAINER_TESTS)
+	$(LANE) $@ $(PYTEST) $(TRAINER_TESTS)
 
 unit-zoo: setup sglang-setup
-	$(PYTEST) $(ZOO_TESTS)
+	$(LANE) $@ $(PYTEST) $(ZOO_TESTS)
 
 unit-examples: setup sglang-setup
-	$(PYTEST) $(EXAMPLE_TESTS)
+	$(LANE) $@ $(PYTEST) $(EXAMPLE_TESTS)
 
 # Every other module (the planner, transport, sender and tool tests).
 unit-rest: setup sglang-setup
-	$(PYTEST) tests $(addprefix --ignore=,$(LANED))
+	$(LANE) $@ $(PYTEST) tests $(addprefix --ignore=,$(LANED))
 
 clean:
-	rm -rf $(VENV) $(SGLANG_VENV) .pytest_cache .ruff_cache .mypy_cache .hypothesis
+	rm -rf $(VENV) $(SGLANG_VENV) .pytest_cache .ruff_cache .mypy_cache .hypothesis .test-lanes
