@@ -5,7 +5,7 @@ applying take, by the share of elements that changed, on this machine.
     python benchmarks/delta_encodings.py [--mb 128] [--dtype bfloat16]
 
 Output in docs/results/delta_encodings.txt. Every row forces one encoding's
-layout on the same data (sizes as :func:`reshard.transport.encoding.part_size`
+layout on the same data (sizes as :func:`reshard.plan.delta_format.part_size`
 gives them) and times the chosen one on the compiled (numba) and the numpy
 CPU path; results are checked bit for bit.
 """
@@ -20,6 +20,7 @@ import time
 def main() -> None:
     import torch
 
+    from reshard.plan import delta_format as F
     from reshard.transport import encoding as E
 
     ap = argparse.ArgumentParser()
@@ -32,7 +33,7 @@ def main() -> None:
     n = int(args.mb * 1e6 / e)
     g = torch.Generator().manual_seed(0)
     base = (torch.randn(n, generator=g) * 0.02).to(dtype)
-    out = torch.empty(E.pad(n * e), dtype=torch.uint8)
+    out = torch.empty(F.pad(n * e), dtype=torch.uint8)
     warm = torch.zeros(64, dtype=dtype)
     E.encode_part(warm, warm.clone(), out)  # compile once
     print(f"one transfer of {n * e / 1e6:.0f} MB ({n} {args.dtype} elements), {os.cpu_count()} CPUs")
@@ -46,7 +47,7 @@ def main() -> None:
         if k:
             idx = torch.randperm(n, generator=g)[:k]
             new.view(torch.int16 if e == 2 else torch.int32)[idx] ^= 1
-        sizes = [E.part_size(enc, n, k, e) / (n * e) for enc in (E.SAME, E.DENSE, E.SPARSE, E.BITMASK)]
+        sizes = [F.part_size(enc, n, k, e) / (n * e) for enc in (F.SAME, F.DENSE, F.SPARSE, F.BITMASK)]
         times = {}
         for path in ("1", "0"):
             os.environ["RESHARD_NUMBA"] = path
@@ -64,7 +65,7 @@ def main() -> None:
         same = "-" if k else "0"
         print(
             f"{100 * density:>7.1f}%  {same:>7}{sizes[1]:>7.3f}{sizes[2]:>8.3f}{sizes[3]:>8.3f}   "
-            f"{E.NAMES[enc]:<8}{1e3 * times['1'][0]:>10.1f}{1e3 * times['0'][0]:>10.1f}"
+            f"{F.NAMES[enc]:<8}{1e3 * times['1'][0]:>10.1f}{1e3 * times['0'][0]:>10.1f}"
             f"{1e3 * times['1'][1]:>10.1f}{1e3 * times['0'][1]:>10.1f}"
         )
     t0 = time.perf_counter()

@@ -27,6 +27,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from reshard.plan import delta_format as F
 from reshard.plan.box import Box
 from reshard.plan.layout import Layout, TensorMeta, dtype_size
 from reshard.plan.specs import PieceSpec, build_layout
@@ -74,15 +75,15 @@ def test_encodings_are_exact_smallest_and_sized_as_predicted(dtype, n, density, 
     new = _changed(base, density, seed + 1)
     k = int((new.view(torch.uint8).view(n, -1) != base.view(torch.uint8).view(n, -1)).any(1).sum()) if n else 0
     snap = base.clone()
-    out = torch.zeros(E.pad(n * dtype.itemsize), dtype=torch.uint8)
+    out = torch.zeros(F.pad(n * dtype.itemsize), dtype=torch.uint8)
     encode = E._encode_torch if path == "torch" else E._encode_np
     enc, got_k, size = encode(new, snap, out, n, dtype.itemsize)
     assert got_k == k
-    assert enc == E.choose(n, k, dtype.itemsize)
-    assert size == E.part_size(enc, n, k, dtype.itemsize)
+    assert enc == F.choose(n, k, dtype.itemsize)
+    assert size == F.part_size(enc, n, k, dtype.itemsize)
     # The smallest of the four, never more than dense, nothing when nothing changed.
-    sizes = [E.part_size(e, n, k, dtype.itemsize) for e in (E.DENSE, E.SPARSE, E.BITMASK)]
-    assert size == (0 if k == 0 else min(sizes)) <= E.pad(n * dtype.itemsize)
+    sizes = [F.part_size(e, n, k, dtype.itemsize) for e in (F.DENSE, F.SPARSE, F.BITMASK)]
+    assert size == (0 if k == 0 else min(sizes)) <= F.pad(n * dtype.itemsize)
     assert torch.equal(snap.view(torch.uint8), new.view(torch.uint8))  # the snapshot moved on
     if strided and n % 4 == 0 and n:
         holder = base.new_zeros((n // 4, 6))
@@ -96,12 +97,12 @@ def test_encodings_are_exact_smallest_and_sized_as_predicted(dtype, n, density, 
 
 def test_sparse_wins_below_about_one_in_sixteen_bitmask_until_nearly_all():
     n = 1 << 20
-    assert E.choose(n, 0, 2) == E.SAME
-    assert E.choose(n, n // 50, 2) == E.SPARSE  # 2% of bf16: 4.1% of dense
-    assert E.part_size(E.SPARSE, n, n // 50, 2) / (2 * n) < 0.045
-    assert E.choose(n, n // 5, 2) == E.BITMASK
-    assert E.choose(n, n - 1, 2) == E.DENSE
-    assert E.choose(1, 1, 4) == E.DENSE
+    assert F.choose(n, 0, 2) == F.SAME
+    assert F.choose(n, n // 50, 2) == F.SPARSE  # 2% of bf16: 4.1% of dense
+    assert F.part_size(F.SPARSE, n, n // 50, 2) / (2 * n) < 0.045
+    assert F.choose(n, n // 5, 2) == F.BITMASK
+    assert F.choose(n, n - 1, 2) == F.DENSE
+    assert F.choose(1, 1, 4) == F.DENSE
 
 
 def _malformed(case: str) -> tuple[int, int, torch.Tensor]:
@@ -109,16 +110,16 @@ def _malformed(case: str) -> tuple[int, int, torch.Tensor]:
     part = torch.zeros(64, dtype=torch.uint8)
     if case == "counts":  # sparse, 3 changed, its one block's count says 2
         part[16:20] = torch.tensor([2, 0, 0, 0], dtype=torch.uint8)
-        return E.SPARSE, 3, part[: E.part_size(E.SPARSE, 100, 3, 4)]
+        return F.SPARSE, 3, part[: F.part_size(F.SPARSE, 100, 3, 4)]
     if case == "position":  # sparse, 1 changed, at position 150 of 100
         part[8:12] = torch.tensor([1, 0, 0, 0], dtype=torch.uint8)
         part[16:18] = torch.tensor([150, 0], dtype=torch.uint8)
-        return E.SPARSE, 1, part[: E.part_size(E.SPARSE, 100, 1, 4)]
+        return F.SPARSE, 1, part[: F.part_size(F.SPARSE, 100, 1, 4)]
     if case == "bits":  # bitmask, 2 changed, 3 bits set
         part[8] = 0b111
-        return E.BITMASK, 2, part[: E.part_size(E.BITMASK, 100, 2, 4)]
+        return F.BITMASK, 2, part[: F.part_size(F.BITMASK, 100, 2, 4)]
     if case == "same":  # nothing changed, says one did
-        return E.SAME, 1, part[:0]
+        return F.SAME, 1, part[:0]
     return 7, 1, part[:8]  # no such encoding
 
 
@@ -193,8 +194,8 @@ def _predicted_wire_bytes(plan, stats, metas: dict[str, TensorMeta], step: int) 
                     continue
                 meta = metas[t.tensor]
                 k = _bits_changed(_box(value(meta, step), t.box), _box(value(meta, step - 1), t.box))
-                e = dtype_size(E.wire_dtype(t))
-                total += E.part_size(E.choose(t.box.numel, k, e), t.box.numel, k, e) + 16
+                e = dtype_size(F.wire_dtype(t))
+                total += F.part_size(F.choose(t.box.numel, k, e), t.box.numel, k, e) + 16
     return total
 
 
@@ -463,7 +464,7 @@ def test_the_cost_models_wire_ratio_is_the_encodings_at_scale(changed, itemsize)
 
     n = 1 << 24
     k = round(changed * n)
-    ours = E.part_size(E.choose(n, k, itemsize), n, k, itemsize) / (n * itemsize)
+    ours = F.part_size(F.choose(n, k, itemsize), n, k, itemsize) / (n * itemsize)
     assert wire_ratio(changed, itemsize) == pytest.approx(ours, rel=1e-3, abs=1e-6)
 
 

@@ -36,7 +36,7 @@ LAYERS = {
 
 def _modules() -> dict[str, Path]:
     out = {}
-    for path in ROOT.rglob("*.py"):
+    for path in sorted(ROOT.rglob("*.py")):
         rel = path.relative_to(ROOT.parent).with_suffix("")
         parts = list(rel.parts)
         if parts[-1] == "__init__":
@@ -85,6 +85,30 @@ def _target(module: str, names: list[str], modules: dict[str, Path]) -> list[str
 def _package(module: str) -> str:
     parts = module.split(".")
     return parts[1] if len(parts) > 1 else ""
+
+
+def test_every_package_has_an_init():
+    """A folder of modules without ``__init__.py`` is a namespace package,
+    which ``_modules`` does not list: every ``from reshard.pkg import x``
+    would then be invisible to the checks below."""
+    missing = [
+        str(d.relative_to(ROOT.parent))
+        for d in sorted({p.parent for p in ROOT.rglob("*.py")})
+        if "__pycache__" not in d.parts and not (d / "__init__.py").exists()
+    ]
+    assert not missing, f"packages without __init__.py: {missing}"
+
+
+def test_every_import_of_a_reshard_module_is_resolved():
+    """Each ``import``/``from ... import`` naming a reshard module reaches a
+    module the checks know (a typo or a hole would let an import pass unseen)."""
+    modules = _modules()
+    bad = []
+    for mod, path in modules.items():
+        for imported, names, _top in _imports(path):
+            if imported.split(".")[0] == "reshard" and not _target(imported, names, modules):
+                bad.append(f"{mod} imports {imported}")
+    assert not bad, "\n".join(bad)
 
 
 def test_layers_point_one_way():

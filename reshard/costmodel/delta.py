@@ -6,10 +6,8 @@ Assumptions, beyond those of :mod:`reshard.costmodel.cost`:
    evenly (what an RL step at a small learning rate does to bf16 weights).
    Each transfer from a trainer rank to an engine rank then moves the
    smallest exact encoding of its elements
-   (:mod:`reshard.transport.encoding`): per element of ``e`` bytes, ``sparse``
-   costs ``changed * (e + 2) / e`` of dense (plus 4 bytes per 65536
-   elements), ``bitmask`` ``changed + 1 / (8 e)``, ``dense`` 1; and 16 header
-   bytes per transfer.
+   (:mod:`reshard.plan.delta_format`, whose :func:`wire_ratio` gives the
+   ratio to dense), and a header per transfer.
 2. Forwards inside an engine domain, and pairs of ranks on one GPU, stay
    dense (they copy at NVLink or HBM speed, where comparing costs as much).
 3. Before its sends a trainer rank compares what it sends with its snapshot
@@ -29,25 +27,10 @@ from dataclasses import dataclass
 
 from reshard.costmodel.cluster import Cluster, Deployment
 from reshard.costmodel.cost import MethodCost, link_loads
+from reshard.plan.delta_format import HEADER_BYTES, wire_ratio
 from reshard.plan.traffic import Traffic
 
 __all__ = ["DeltaAssumptions", "delta_cost", "wire_ratio"]
-
-_BLOCK = 1 << 16
-_HEADER_BYTES = 16
-
-
-def wire_ratio(changed: float, itemsize: int) -> float:
-    """Bytes of the smallest encoding over dense bytes, for a large transfer
-    whose elements of ``itemsize`` bytes changed with probability ``changed``."""
-    if not 0.0 <= changed <= 1.0:
-        raise ValueError(f"the changed fraction must be between 0 and 1, got {changed}")
-    if changed == 0.0:
-        return 0.0
-    e = float(itemsize)
-    sparse = changed * (e + 2) / e + 4 / (_BLOCK * e)
-    bitmask = changed + 1 / (8 * e)
-    return min(1.0, sparse, bitmask)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -82,7 +65,7 @@ def delta_cost(traffic: Traffic, cluster: Cluster, placement: Deployment, a: Del
             return b  # forwards between engine ranks move dense
         compared[placement.gpu_of[s]] += b
         digested[placement.gpu_of[d]] += b
-        return int(b * ratio) + _HEADER_BYTES * traffic.transfers[(s, d)]
+        return int(b * ratio) + HEADER_BYTES * traffic.transfers[(s, d)]
 
     loads = link_loads(traffic, placement, wire)
     link_t = loads.seconds(cluster)

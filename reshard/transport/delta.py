@@ -41,9 +41,9 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from reshard.plan.delta_format import wire_dtype
 from reshard.plan.items import RankPlan, Transfer
 from reshard.plan.layout import dtype_size
-from reshard.transport.encoding import wire_dtype
 from reshard.transport.messages import local_view, torch_dtype
 
 if TYPE_CHECKING:

@@ -1,6 +1,7 @@
 """One round of a delta refit, for the executor: a sender encodes its
 transfers to each delta peer into one payload (per transfer: the part
-:mod:`reshard.transport.encoding` picks, back to back) and keeps its
+:mod:`reshard.transport.encoding` picks, in the format of
+:mod:`reshard.plan.delta_format`, back to back) and keeps its
 snapshot up to date; a receiver reads the peers' headers, sizes their
 payloads, and patches their parts onto its tensors.
 
@@ -14,20 +15,18 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from reshard.plan.delta_format import NAMES, SAME, dense_size, part_size, wire_dtype
 from reshard.plan.items import Round, Transfer
 from reshard.plan.layout import dtype_size
 from reshard.transport.delta import Snapshots, snapshot_key
-from reshard.transport.encoding import NAMES, SAME, apply_part, dense_size, encode_part, part_size, wire_dtype
+from reshard.transport.encoding import apply_part, encode_part
 from reshard.transport.messages import local_view
 from reshard.transport.stats import ExecStats
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["HEADER_BYTES", "Payload", "apply_payload", "encode_round", "header_parts", "snapshot_dense"]
-
-HEADER_BYTES = 16
-"""A delta header's bytes per transfer: its encoding and changed count (two int64)."""
+__all__ = ["Payload", "apply_payload", "encode_round", "header_parts", "snapshot_dense"]
 
 Payload = tuple["torch.Tensor", list[tuple[int, int]]]
 """A peer's payload of one round and its header rows ``(encoding, changed)``."""

@@ -1,31 +1,17 @@
 """Exact sparse encodings of one transfer's new values against a base (delta refits).
 
-A *part* is one transfer's values in its destination dtype (the *wire
-dtype* of a delta), in the transfer's element order (row-major over its box,
-global dims). The sender compares them, bit for bit, with the values it
+The sender compares a part's new values, bit for bit, with the values it
 sent last time (its snapshot) and writes the smallest of four exact
-encodings; the receiver applies it onto its base, the same values:
-
-========== ===================================== =========================================
-encoding   bytes (``n`` elements, ``k`` changed,  when it is the smallest
-           ``e`` bytes each; sections padded to 8)
-========== ===================================== =========================================
-``same``   0                                      nothing changed (``k = 0``)
-``dense``  ``n e``                                most elements changed
-``sparse`` ``k e + 4 ceil(n / 65536) + 2 k``      few changed: ``k / n`` below about ``1/16``
-``bitmask`` ``k e + ceil(n / 8)``                 in between
-========== ===================================== =========================================
-
-``sparse`` stores each changed position as a 16-bit offset in its block of
-65536 elements plus one 32-bit count per block, so a change costs its value
-and 2 bytes (a flat 32-bit index would cost 4). Comparison is on bit
-patterns (``-0.0`` differs from ``0.0``, NaNs compare by payload), so a
-patched base is bit-identical to the new values. The choice depends only
-on ``(n, k, e)``, so the receiver recomputes every part's size from the
-header ``(encoding, k)`` its sender sends ahead of the payload.
+encodings; the receiver applies it onto its base, the same values. What the
+encodings are, their sections, sizes and the choice between them is the
+wire format, :mod:`reshard.plan.delta_format`; this module only computes
+and applies them. Comparison is on bit patterns (``-0.0`` differs from
+``0.0``, NaNs compare by payload), so a patched base is bit-identical to the
+new values.
 
 On CPU the work runs in numpy on integer views (comparison, ``flatnonzero``,
-``packbits``); elsewhere (CUDA) in torch, with the same results.
+``packbits``), or compiled (:mod:`reshard.transport.encoding_jit`) where
+numba is installed; elsewhere (CUDA) in torch, with the same bytes.
 """
 
 from __future__ import annotations
@@ -33,80 +19,28 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING, Any
 
-from reshard.plan.items import Transfer
-from reshard.plan.layout import dtype_size
+from reshard.plan.delta_format import (
+    BITMASK,
+    BLOCK,
+    BLOCK_SHIFT,
+    DENSE,
+    NAMES,
+    SAME,
+    SPARSE,
+    Sections,
+    blocks,
+    choose,
+    mask_bytes,
+    part_size,
+    sections,
+)
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = [
-    "BITMASK",
-    "BLOCK",
-    "DENSE",
-    "NAMES",
-    "SAME",
-    "SPARSE",
-    "apply_part",
-    "choose",
-    "dense_size",
-    "encode_part",
-    "part_size",
-    "wire_dtype",
-]
+__all__ = ["apply_part", "encode_part"]
 
-SAME, DENSE, SPARSE, BITMASK = 0, 1, 2, 3
-NAMES = ("same", "dense", "sparse", "bitmask")
-BLOCK_SHIFT = 16
-BLOCK = 1 << BLOCK_SHIFT
-"""Elements per block of the ``sparse`` encoding (positions are 16-bit offsets in it)."""
-_PAD = 8
 _INT_OF_SIZE = {1: "int8", 2: "int16", 4: "int32", 8: "int64", 16: "int64"}
-
-
-def pad(n: int) -> int:
-    """``n`` rounded up to 8 (every section of a part starts aligned)."""
-    return -(-n // _PAD) * _PAD
-
-
-def wire_dtype(t: Transfer) -> str:
-    """The dtype a delta of ``t`` travels in: its destination's (a trainer in
-    float32 compares what the engine would get after the cast)."""
-    return t.dst.dtype or t.dtype
-
-
-def dense_size(t: Transfer) -> int:
-    """The largest part ``t`` can be (``dense``, in the wire dtype)."""
-    return pad(t.box.numel * dtype_size(wire_dtype(t)))
-
-
-def _blocks(n: int) -> int:
-    return -(-n // BLOCK)
-
-
-def part_size(enc: int, n: int, k: int, itemsize: int) -> int:
-    """Bytes of a part of ``n`` elements of ``itemsize`` bytes, ``k`` of them changed."""
-    if enc == SAME:
-        return 0
-    if enc == DENSE:
-        return pad(n * itemsize)
-    values = pad(k * itemsize)
-    if enc == SPARSE:
-        return values + pad(4 * _blocks(n)) + pad(2 * k)
-    if enc == BITMASK:
-        return values + pad(-(-n // 8))
-    raise ValueError(f"unknown delta encoding {enc}")
-
-
-def choose(n: int, k: int, itemsize: int) -> int:
-    """The smallest exact encoding (ties: ``dense``, then ``sparse``)."""
-    if k == 0:
-        return SAME
-    best, size = DENSE, part_size(DENSE, n, k, itemsize)
-    for enc in (SPARSE, BITMASK):
-        s = part_size(enc, n, k, itemsize)
-        if s < size:
-            best, size = enc, s
-    return best
 
 
 # -- bit views -------------------------------------------------------------------
@@ -133,7 +67,8 @@ def encode_part(new: torch.Tensor, snap: torch.Tensor, out: torch.Tensor) -> tup
     """Encode ``new`` against ``snap`` into ``out`` and make ``snap`` equal ``new``.
 
     ``new`` and ``snap``: contiguous 1-D tensors of the wire dtype, ``n``
-    elements each; ``out``: a uint8 tensor of at least ``pad(n * e)`` bytes.
+    elements each; ``out``: a uint8 tensor of at least
+    ``delta_format.part_size(DENSE, n, 0, e)`` bytes.
     Returns ``(encoding, k, bytes written)``."""
     n = new.numel()
     if snap.numel() != n or snap.dtype != new.dtype:
@@ -158,28 +93,26 @@ def _encode_np(
             return done
     idx, vals, k = _changed_np(a, b, n, e)
     enc = DENSE if idx is None else choose(n, k, e)
-    size = part_size(enc, n, k, e)
+    sec = sections(enc, n, k, e)
     if enc == SAME:
         return enc, k, 0
-    o = _np(out[:size])
+    o = _np(out[: sec.size])
     if enc == DENSE:
-        o[: n * e] = a.reshape(-1).view(np.uint8)
-        return enc, k, size
+        o[: sec.values] = a.reshape(-1).view(np.uint8)
+        return enc, k, sec.size
     assert idx is not None and vals is not None
-    o[: k * e] = vals.reshape(-1).view(np.uint8)
-    pos = pad(k * e)
+    o[: sec.values] = vals.reshape(-1).view(np.uint8)
     if enc == SPARSE:
-        nb = _blocks(n)
+        nb = blocks(n)
         counts = np.bincount(idx >> BLOCK_SHIFT, minlength=nb).astype(np.int32)
-        o[pos : pos + 4 * nb] = counts.view(np.uint8)
-        pos += pad(4 * nb)
-        o[pos : pos + 2 * k] = idx.astype(np.uint16).view(np.uint8)
+        o[sec.counts : sec.counts + 4 * nb] = counts.view(np.uint8)
+        o[sec.positions : sec.positions + 2 * k] = idx.astype(np.uint16).view(np.uint8)
     else:
         m = np.zeros(n, dtype=bool)
         m[idx] = True
         bits = np.packbits(m, bitorder="little")
-        o[pos : pos + bits.size] = bits
-    return enc, k, size
+        o[sec.positions : sec.positions + bits.size] = bits
+    return enc, k, sec.size
 
 
 _CHUNK = 1 << 16
@@ -283,30 +216,29 @@ def _encode_torch(new: torch.Tensor, snap: torch.Tensor, out: torch.Tensor, n: i
         m = m.any(dim=1)
     k = int(m.sum())
     enc = choose(n, k, e)
-    size = part_size(enc, n, k, e)
+    sec = sections(enc, n, k, e)
     if enc == SAME:
         return enc, k, 0
     if enc == DENSE:
-        out[: n * e].copy_(new.view(torch.uint8))
+        out[: sec.values].copy_(new.view(torch.uint8))
         snap.copy_(new)
-        return enc, k, size
+        return enc, k, sec.size
     idx = m.nonzero().flatten()
     vals = a[idx]
-    out[: k * e].copy_(vals.contiguous().view(-1).view(torch.uint8))
+    out[: sec.values].copy_(vals.contiguous().view(-1).view(torch.uint8))
     b[idx] = vals
-    pos = pad(k * e)
     if enc == SPARSE:
-        nb = _blocks(n)
+        nb = blocks(n)
         counts = torch.bincount(idx >> BLOCK_SHIFT, minlength=nb).to(torch.int32)
-        out[pos : pos + 4 * nb].copy_(counts.view(torch.uint8))
-        pos += pad(4 * nb)
-        # The offset in its block (0..65535) as the int16 of the same bits.
-        low = (((idx & 0xFFFF) ^ 0x8000) - 0x8000).to(torch.int16)
-        out[pos : pos + 2 * k].copy_(low.view(torch.uint8))
+        out[sec.counts : sec.counts + 4 * nb].copy_(counts.view(torch.uint8))
+        # The offset in its block (0..BLOCK - 1) as the int16 of the same bits.
+        half = BLOCK >> 1
+        low = (((idx & (BLOCK - 1)) ^ half) - half).to(torch.int16)
+        out[sec.positions : sec.positions + 2 * k].copy_(low.view(torch.uint8))
     else:
         bits = _packbits(m)
-        out[pos : pos + bits.numel()].copy_(bits)
-    return enc, k, size
+        out[sec.positions : sec.positions + bits.numel()].copy_(bits)
+    return enc, k, sec.size
 
 
 def _packbits(m: torch.Tensor) -> torch.Tensor:
@@ -314,7 +246,7 @@ def _packbits(m: torch.Tensor) -> torch.Tensor:
     import torch
 
     n = m.numel()
-    padded = torch.zeros(-(-n // 8) * 8, dtype=torch.uint8, device=m.device)
+    padded = torch.zeros(mask_bytes(n) * 8, dtype=torch.uint8, device=m.device)
     padded[:n] = m
     weights = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.int32, device=m.device)
     return (padded.view(-1, 8).to(torch.int32) * weights).sum(dim=1).to(torch.uint8)
@@ -357,13 +289,13 @@ def apply_part(enc: int, k: int, part: torch.Tensor, dst: torch.Tensor) -> None:
 
         if encoding_jit.available() and encoding_jit.apply(enc, k, _np(part), _np(_bits(dst.view(-1))), n, e):
             return
-    vals = part[: k * e].view(dst.dtype)
-    pos = pad(k * e)
+    sec = sections(enc, n, k, e)
+    vals = part[: sec.values].view(dst.dtype)
     if dst.device.type == "cpu":
-        idx = _positions_np(enc, n, k, part, pos)
+        idx = _positions_np(enc, n, k, part, sec)
         idx_t = torch.from_numpy(idx)
     else:
-        idx_t = _positions_torch(enc, n, k, part, pos)
+        idx_t = _positions_torch(enc, n, k, part, sec)
     if e == 16:  # complex128: no integer of its size; its copies are bitwise anyway
         target, ivals = dst, vals
     else:
@@ -378,37 +310,35 @@ def apply_part(enc: int, k: int, part: torch.Tensor, dst: torch.Tensor) -> None:
     target[torch.unravel_index(idx_t, tuple(dst.shape))] = ivals
 
 
-def _positions_np(enc: int, n: int, k: int, part: torch.Tensor, pos: int) -> Any:
+def _positions_np(enc: int, n: int, k: int, part: torch.Tensor, sec: Sections) -> Any:
     import numpy as np
 
     raw = _np(part)
     if enc == SPARSE:
-        nb = _blocks(n)
-        counts = raw[pos : pos + 4 * nb].view(np.int32)
-        pos += pad(4 * nb)
-        low = raw[pos : pos + 2 * k].view(np.uint16)
+        nb = blocks(n)
+        counts = raw[sec.counts : sec.counts + 4 * nb].view(np.int32)
+        low = raw[sec.positions : sec.positions + 2 * k].view(np.uint16)
         if counts.min(initial=0) < 0 or int(counts.sum(dtype=np.int64)) != k:
             raise ValueError(f"a sparse part of {n} elements has block counts that do not add up to {k}")
         idx = np.repeat(np.arange(nb, dtype=np.int64) << BLOCK_SHIFT, counts) + low
         if k and int(idx.max()) >= n:
             raise ValueError(f"a sparse part of {n} elements names position {int(idx.max())}")
         return idx
-    m = np.unpackbits(raw[pos : pos + -(-n // 8)], count=n, bitorder="little").view(bool)
+    m = np.unpackbits(raw[sec.positions : sec.positions + mask_bytes(n)], count=n, bitorder="little").view(bool)
     idx = np.flatnonzero(m)
     if idx.size != k:
         raise ValueError(f"a bitmask part of {n} elements has {idx.size} bits set, its header says {k}")
     return idx
 
 
-def _positions_torch(enc: int, n: int, k: int, part: torch.Tensor, pos: int) -> torch.Tensor:
+def _positions_torch(enc: int, n: int, k: int, part: torch.Tensor, sec: Sections) -> torch.Tensor:
     import torch
 
     dev = part.device
     if enc == SPARSE:
-        nb = _blocks(n)
-        counts = part[pos : pos + 4 * nb].view(torch.int32).to(torch.int64)
-        pos += pad(4 * nb)
-        low = part[pos : pos + 2 * k].view(torch.int16).to(torch.int64) & 0xFFFF
+        nb = blocks(n)
+        counts = part[sec.counts : sec.counts + 4 * nb].view(torch.int32).to(torch.int64)
+        low = part[sec.positions : sec.positions + 2 * k].view(torch.int16).to(torch.int64) & (BLOCK - 1)
         if int(counts.min()) < 0 or int(counts.sum()) != k:
             raise ValueError(f"a sparse part of {n} elements has block counts that do not add up to {k}")
         base = torch.repeat_interleave(torch.arange(nb, dtype=torch.int64, device=dev) << BLOCK_SHIFT, counts)
@@ -416,7 +346,7 @@ def _positions_torch(enc: int, n: int, k: int, part: torch.Tensor, pos: int) -> 
         if k and int(idx.max()) >= n:
             raise ValueError(f"a sparse part of {n} elements names position {int(idx.max())}")
         return idx
-    m = _unpackbits(part[pos : pos + -(-n // 8)], n)
+    m = _unpackbits(part[sec.positions : sec.positions + mask_bytes(n)], n)
     idx = m.nonzero().flatten()
     if idx.numel() != k:
         raise ValueError(f"a bitmask part of {n} elements has {idx.numel()} bits set, its header says {k}")

@@ -1,4 +1,5 @@
-"""A compiled CPU path for :func:`reshard.transport.encoding.encode_part`,
+"""A compiled CPU path for :func:`reshard.transport.encoding.encode_part`
+and ``apply_part``,
 used where numba is installed (vLLM's CPU build brings it; ``RESHARD_NUMBA=0``
 turns it off). It writes exactly the bytes of the numpy path (the tests
 compare them), in one pass over the data instead of a dozen vectorized
@@ -18,6 +19,19 @@ from __future__ import annotations
 import os
 import threading
 from typing import Any
+
+from reshard.plan.delta_format import (
+    BITMASK,
+    BLOCK,
+    BLOCK_SHIFT,
+    DENSE,
+    SAME,
+    SPARSE,
+    blocks,
+    choose,
+    mask_bytes,
+    sections,
+)
 
 __all__ = ["available", "encode"]
 
@@ -104,8 +118,8 @@ def _build() -> Any:
                 if (x >> j) & 1:
                     i = byte * 8 + j
                     if i < n:
-                        counts[i >> 16] += 1
-                        low[k] = numba.uint16(i & 0xFFFF)
+                        counts[i >> BLOCK_SHIFT] += 1
+                        low[k] = numba.uint16(i & (BLOCK - 1))
                         k += 1
         return k
 
@@ -123,14 +137,14 @@ def _build() -> Any:
         k = 0
         for blk in range(counts.shape[0]):
             for _ in range(counts[blk]):
-                i = (blk << 16) + low[k]
+                i = (blk << BLOCK_SHIFT) + low[k]
                 if i >= n:
                     return -2 - i
                 k += 1
         k = 0
         for blk in range(counts.shape[0]):
             for _ in range(counts[blk]):
-                dst[(blk << 16) + low[k]] = vals[k]
+                dst[(blk << BLOCK_SHIFT) + low[k]] = vals[k]
                 k += 1
         return k
 
@@ -206,13 +220,11 @@ def _bits_scratch(nbytes: int) -> Any:
 
 
 def encode(a: Any, b: Any, o: Any, n: int, e: int) -> tuple[int, int, int] | None:
-    """The compiled :func:`reshard.transport.encoding.encode_part` on CPU:
+    """The compiled ``encode_part`` on CPU:
     ``a``, ``b`` integer views (new values, snapshot), ``o`` the payload's
-    bytes (at least ``pad(n * e)``). ``None`` when this path does not apply
+    bytes (at least a dense part's). ``None`` when this path does not apply
     (16-byte elements); the caller takes the numpy path then."""
     import numpy as np
-
-    from reshard.transport.encoding import BITMASK, DENSE, SAME, SPARSE, choose, pad, part_size
 
     kernels = _compiled()
     if kernels is None or e == 16 or a.ndim != 1 or not _warm(a.dtype):
@@ -229,22 +241,21 @@ def encode(a: Any, b: Any, o: Any, n: int, e: int) -> tuple[int, int, int] | Non
         else:
             k = diff_elements(a, b, vals, bits)
         enc = choose(n, k, e)
-        size = part_size(enc, n, k, e)
+        sec = sections(enc, n, k, e)
         if enc == SAME:
             return enc, k, 0
         if enc == DENSE:
-            o[: n * e] = a.view(np.uint8)
-            return enc, k, size
-        pos = pad(k * e)
+            o[: sec.values] = a.view(np.uint8)
+            return enc, k, sec.size
         if enc == SPARSE:
-            nb = -(-n // 65536)
-            counts = o[pos : pos + 4 * nb].view(np.int32)
+            nb = blocks(n)
+            counts = o[sec.counts : sec.counts + 4 * nb].view(np.int32)
             counts[:] = 0
-            low = o[pos + pad(4 * nb) : pos + pad(4 * nb) + 2 * k].view(np.uint16)
+            low = o[sec.positions : sec.positions + 2 * k].view(np.uint16)
             sparse_index(bits, n, counts, low)
         elif enc == BITMASK:
-            o[pos : pos + bits.size] = bits
-        return enc, k, size
+            o[sec.positions : sec.positions + bits.size] = bits
+        return enc, k, sec.size
 
 
 def apply(enc: int, k: int, part: Any, dst: Any, n: int, e: int) -> bool:
@@ -254,27 +265,25 @@ def apply(enc: int, k: int, part: Any, dst: Any, n: int, e: int) -> bool:
     a part that cannot be its sender's, before anything is written."""
     import numpy as np
 
-    from reshard.transport.encoding import BITMASK, SPARSE, pad
-
     kernels = _compiled()
     if kernels is None or e == 16 or enc not in (SPARSE, BITMASK) or dst.ndim != 1 or not _warm(dst.dtype):
         return False
     if _S.popcount is None:
         _S.popcount = np.array([bin(i).count("1") for i in range(256)], dtype=np.int64)
     apply_sparse, apply_bitmask = kernels[3], kernels[4]
-    vals = part[: k * e].view(dst.dtype)
-    pos = pad(k * e)
+    sec = sections(enc, n, k, e)
+    vals = part[: sec.values].view(dst.dtype)
     if enc == SPARSE:
-        nb = -(-n // 65536)
-        counts = part[pos : pos + 4 * nb].view(np.int32)
-        low = part[pos + pad(4 * nb) : pos + pad(4 * nb) + 2 * k].view(np.uint16)
+        nb = blocks(n)
+        counts = part[sec.counts : sec.counts + 4 * nb].view(np.int32)
+        low = part[sec.positions : sec.positions + 2 * k].view(np.uint16)
         r = apply_sparse(dst, vals, counts, low, n)
         if r == -1:
             raise ValueError(f"a sparse part of {n} elements has block counts that do not add up to {k}")
         if r < -1:
             raise ValueError(f"a sparse part of {n} elements names position {-2 - r}")
     else:
-        r = apply_bitmask(dst, vals, part[pos : pos + -(-n // 8)], n, _S.popcount)
+        r = apply_bitmask(dst, vals, part[sec.positions : sec.positions + mask_bytes(n)], n, _S.popcount)
         if r < 0:
             raise ValueError(f"a bitmask part of {n} elements has {-1 - r} bits set, its header says {k}")
     return True

@@ -59,10 +59,11 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from reshard.errors import RefitError
+from reshard.plan.delta_format import HEADER_BYTES
 from reshard.plan.items import RankPlan, Round, Transfer
 from reshard.transport.checksum import checksum
 from reshard.transport.delta import DeltaRun
-from reshard.transport.delta_io import HEADER_BYTES, Payload, apply_payload, encode_round, header_parts, snapshot_dense
+from reshard.transport.delta_io import Payload, apply_payload, encode_round, header_parts, snapshot_dense
 from reshard.transport.links import is_direct, no_wire_text, wire_transfers, without_direct
 from reshard.transport.messages import (
     BIG_BYTES,

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 import msgspec
 
 from reshard.errors import RefitError
+from reshard.plan.delta_format import dense_size
 from reshard.plan.items import RankPlan, Round, Transfer
 from reshard.plan.layout import Slot, dtype_size
 
@@ -152,8 +153,6 @@ def staging_bound(plan: RankPlan, big_bytes: int, maybe_delta: frozenset[int]) -
     several peers counted for each)."""
     if not maybe_delta:
         return staging_need(plan, big_bytes)
-    from reshard.transport.encoding import dense_size
-
     need = 0
     for rnd in plan.rounds:
         total = round_staging(rnd, big_bytes, maybe_delta)[0]
@@ -197,9 +196,7 @@ def round_staging(rnd: Round, big_bytes: int, delta_peers: frozenset[int] = froz
     A delta peer's messages of the round are one payload (``("dsend",
     peer)`` / ``("drecv", peer)``) of at most the dense size of its
     transfers in their destination dtype (see
-    :func:`reshard.transport.encoding.dense_size`)."""
-    from reshard.transport.encoding import dense_size
-
+    :func:`reshard.plan.delta_format.dense_size`)."""
     offsets: dict[tuple, int] = {}
     total = 0
 
