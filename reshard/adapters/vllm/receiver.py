@@ -37,13 +37,13 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from reshard.adapters.core.recording import LOADER_PREFIX, LearnedLayout
+from reshard.adapters.core.recording import LearnedLayout
 from reshard.adapters.vllm.layout import learn_layout
 from reshard.adapters.vllm.lifecycle import (
     followers,
     released_kernels_adopted,
 )
-from reshard.adapters.vllm.update import LayerwiseUpdate
+from reshard.adapters.vllm.update import LayerwiseUpdate, WorkerModel
 from reshard.errors import MixedWeightsError, ReshardError
 from reshard.plan.layout import TensorMeta
 from reshard.plan.specs import build_layout
@@ -170,10 +170,18 @@ class VllmReceiver:
                 "leave stale weights:\n  " + "\n  ".join(problems[:20])
             )
         self.layout = build_layout(rank, self.learned.pieces)
-        self.modules = dict(model.named_modules())
+        modules = dict(model.named_modules())
         if config.pg_env is None:
             config = dataclasses.replace(config, pg_env=vllm_pg_env())
-        self.followers = followers(self.modules, set(self.learned.layers))
+        self.worker = WorkerModel(
+            model=model,
+            model_config=model_config,
+            learned=self.learned,
+            rank=rank,
+            delta=config.delta,
+            modules=modules,
+            followers=tuple(followers(modules, set(self.learned.layers))),
+        )
         self.rank = rank
         self.receiver = Receiver(
             {},
@@ -189,19 +197,6 @@ class VllmReceiver:
         self.last_stats: dict[str, Any] = {}
         self._staging: _Staging | None = None
         self._buffers: dict[str, torch.Tensor] | None = None
-        self._loader_buffers: dict[str, torch.Tensor] = {}
-
-    def loader_buffer(self, local: str) -> torch.Tensor:
-        """The buffer loader tensor ``local`` is received into: the
-        checkpoint tensor's shape, zero outside the region its loader reads;
-        kept for the next refit."""
-        buf = self._loader_buffers.get(local)
-        if buf is None:
-            import torch
-
-            meta = self.learned.via_loader[local.removeprefix(LOADER_PREFIX)].tensor
-            buf = self._loader_buffers[local] = torch.zeros(meta.shape, dtype=getattr(torch, meta.dtype))
-        return buf
 
     @property
     def kept_bytes(self) -> int:
@@ -227,7 +222,7 @@ class VllmReceiver:
         self._wait_staging()
         if self.delta:
             return self._pull_delta(refit, method, atomic)
-        update = LayerwiseUpdate(self, refit)
+        update = LayerwiseUpdate(self.worker, refit)
         t0 = time.perf_counter()
         with self._applying(update):
             stats = self.receiver.pull(
@@ -273,7 +268,7 @@ class VllmReceiver:
             received = time.perf_counter() - t0
             update = self._apply(refit, stats.touched)
         else:
-            update = LayerwiseUpdate(self, refit)
+            update = LayerwiseUpdate(self.worker, refit)
             touched: set[str] = set()
             try:
                 with self._applying(update):
@@ -312,7 +307,7 @@ class VllmReceiver:
         engine's weights no longer follow the buffers, so the next delta
         refit is dense and applies every layer."""
         assert self._buffers is not None
-        update = LayerwiseUpdate(self, refit)
+        update = LayerwiseUpdate(self.worker, refit)
         try:
             with self._applying(update):
                 update.load_from(self._buffers, None if changed is None else set(changed))

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from reshard.adapters.core.recording import LOADER_PREFIX
+from reshard.adapters.core.recording import LOADER_PREFIX, LearnedLayout
 from reshard.adapters.vllm.lifecycle import repack_cpu_experts, reprocess, restore_unprocessed
 from reshard.errors import MixedWeightsError, ReshardError
 from reshard.plan.items import RankPlan
@@ -21,9 +21,46 @@ from reshard.plan.items import RankPlan
 if TYPE_CHECKING:
     import torch
 
-    from reshard.adapters.vllm.receiver import VllmReceiver
+__all__ = ["LayerwiseUpdate", "WorkerModel"]
 
-__all__ = ["LayerwiseUpdate"]
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class WorkerModel:
+    """What a refit in vLLM's layerwise lifecycle needs of its worker: the
+    model, what was learned of its loaders, and the buffers loader tensors
+    are received into (kept from one refit to the next)."""
+
+    model: Any
+    """The worker's ``torch.nn.Module``."""
+    model_config: Any
+    """vLLM's ``ModelConfig`` (``finalize_layerwise_reload`` reads it)."""
+    learned: LearnedLayout
+    rank: int
+    """This worker's refit rank (named in errors)."""
+    delta: bool = False
+    """Delta refits: a loader tensor's buffer is the base the next delta patches."""
+    modules: Mapping[str, Any] = field(default_factory=dict)
+    """``model.named_modules()`` (empty: computed from ``model``)."""
+    followers: tuple[str, ...] = ()
+    """Modules that derive state from layers a refit processes, reprocessed
+    after it (:func:`reshard.adapters.vllm.lifecycle.followers`)."""
+    loader_buffers: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not self.modules:
+            object.__setattr__(self, "modules", dict(self.model.named_modules()))
+
+    def loader_buffer(self, local: str) -> torch.Tensor:
+        """The buffer loader tensor ``local`` is received into: the
+        checkpoint tensor's shape, zero outside the region its loader reads;
+        kept for the next refit."""
+        buf = self.loader_buffers.get(local)
+        if buf is None:
+            import torch
+
+            meta = self.learned.via_loader[local.removeprefix(LOADER_PREFIX)].tensor
+            buf = self.loader_buffers[local] = torch.zeros(meta.shape, dtype=getattr(torch, meta.dtype))
+        return buf
 
 
 @dataclass(slots=True)
@@ -43,7 +80,7 @@ _NEVER = 1 << 62
 class LayerwiseUpdate:
     """State of one refit inside vLLM's layerwise reload lifecycle."""
 
-    def __init__(self, owner: VllmReceiver, refit: int) -> None:
+    def __init__(self, owner: WorkerModel, refit: int) -> None:
         self.owner = owner
         self.refit = refit
         self.started = False
@@ -70,6 +107,14 @@ class LayerwiseUpdate:
         """Every rank agreed to go ahead: enter vLLM's reload lifecycle."""
         from vllm.model_executor.model_loader.reload import layerwise
 
+        self.release(plan)
+        layerwise.initialize_layerwise_reload(self.owner.model)
+        self.started = True
+
+    def release(self, plan: RankPlan | None) -> None:
+        """Set each layer's release round: the last round of ``plan`` that
+        writes into it or forwards from it (layers loader tensors write wait
+        for the loaders)."""
         if plan is not None:
             for rnd in plan.rounds:
                 touched = [t.dst.local for ts in rnd.recvs.values() for t in ts]
@@ -81,8 +126,22 @@ class LayerwiseUpdate:
                         layer.release_round = max(layer.release_round, rnd.index)
         for name in self.loader_layers:
             self.layers[name].release_round = _NEVER
-        layerwise.initialize_layerwise_reload(self.owner.model)
-        self.started = True
+
+    def release_round(self, layer: str) -> int:
+        """The round after which ``layer`` is processed (see :meth:`release`)."""
+        return self.layers[layer].release_round
+
+    def to_load(self, changed: set[str] | None) -> set[str]:
+        """The layers a refit loads when ``changed`` buffers changed (``None``:
+        all): those of the changed parameters, and every layer a loader
+        tensor that changed writes."""
+        if changed is None:
+            return set(self.layers)
+        names = {self.layer_of[p].name for p in changed if p in self.layer_of}
+        for via in self.owner.learned.via_loader.values():
+            if via.local in changed:
+                names.update(self.layer_of[p].name for p in via.params if p in self.layer_of)
+        return names
 
     def param(self, local: str, *, zero: bool = True) -> torch.Tensor:
         """The (materialized) parameter ``local`` to write into (zeroed when
@@ -134,7 +193,7 @@ class LayerwiseUpdate:
 
         if not self.started:
             self.begin()
-        layers = self._to_load(changed)
+        layers = self.to_load(changed)
         deferred = []
         with torch.no_grad():
             for layer in self.layers.values():
@@ -171,7 +230,7 @@ class LayerwiseUpdate:
         ]
         if not ready:
             return
-        layers = self._to_load(changed)
+        layers = self.to_load(changed)
         with torch.no_grad():
             for layer in ready:
                 if layer.name not in layers:
@@ -188,16 +247,6 @@ class LayerwiseUpdate:
             src = buffers.get(p)
             if src is not None:
                 dst.copy_(src)
-
-    def _to_load(self, changed: set[str] | None) -> set[str]:
-        """The layers to load for ``changed`` buffers (see :meth:`load_from`)."""
-        if changed is None:
-            return set(self.layers)
-        names = {self.layer_of[p].name for p in changed if p in self.layer_of}
-        for via in self.owner.learned.via_loader.values():
-            if via.local in changed:
-                names.update(self.layer_of[p].name for p in via.params if p in self.layer_of)
-        return names
 
     def run_loaders(self, buffers: Mapping[str, torch.Tensor] | None, layers: set[str] | None = None) -> None:
         """Run vLLM's own loader on every loader tensor (received into
@@ -298,7 +347,7 @@ class LayerwiseUpdate:
             ) from error
 
 
-def _attr(modules: dict[str, Any], full: str):
+def _attr(modules: Mapping[str, Any], full: str):
     mod, _, name = full.rpartition(".")
     return getattr(modules[mod], name)
 
