@@ -43,6 +43,7 @@ from collections.abc import Callable
 from typing import Any
 
 from reshard.errors import ReshardError
+from reshard.transport.config import format_address
 
 __all__ = [
     "OPENRLHF_VERSION",
@@ -303,7 +304,7 @@ def _store_address(address: str | None) -> str:
     host = ray.util.get_node_ip_address()
     with socket.socket() as s:
         s.bind(("", 0))
-        return f"{host}:{s.getsockname()[1]}"
+        return format_address(host, s.getsockname()[1])
 
 
 _TEXT_BYTES = 512

@@ -57,6 +57,7 @@ from reshard.adapters.core.spec import GroupSpec
 from reshard.adapters.vllm.driver import HttpEngine, VllmEngines, flush_prefix_cache, init_workers, pull_workers
 from reshard.errors import ReshardError
 from reshard.sender import Sender
+from reshard.transport.config import format_address
 from reshard.transport.group import GroupConfig
 
 if TYPE_CHECKING:
@@ -219,7 +220,7 @@ class TrlRefits:
         if self.options.address is not None:
             return self.options.address
         host = os.environ.get("MASTER_ADDR") or "127.0.0.1"
-        return f"{host}:{int(self.generation.group_port)}"
+        return format_address(host, int(self.generation.group_port))
 
     def _shared_memory(self) -> bool:
         if self.options.shared_memory is not None:

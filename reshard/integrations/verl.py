@@ -45,6 +45,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from reshard.errors import ReshardError
+from reshard.transport.config import format_address
 
 __all__ = [
     "BACKEND",
@@ -288,11 +289,11 @@ def _store_address(worker: Any) -> str:
     """``host:port`` on actor rank 0's node, a port free there now."""
     import ray
 
-    host = ray.util.get_node_ip_address().strip("[]")
+    host = ray.util.get_node_ip_address()
     with socket.socket() as s:
         s.bind(("", 0))
         port = s.getsockname()[1]
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    return format_address(host, port)
 
 
 def _backend_of(worker: Any) -> Any:

@@ -4,20 +4,26 @@ A driver (trainer rank 0) tells every engine worker which refit group to
 join: over vLLM's ``collective_rpc`` (worker extension), vLLM's
 weight-transfer ``init_info`` (native backend), or SGLang's custom loader.
 All three carry a :class:`GroupSpec` (msgspec, JSON): the
-:class:`~reshard.transport.group.GroupConfig` fields every rank shares, plus
+:class:`~reshard.transport.group.GroupConfig` fields of scope ``group``
+(those every rank shares; :func:`reshard.transport.config.settings`), plus
 the worker options (``engine_offset``, ``budget_bytes``, ``atomic``).
 Per-rank fields stay behind (``host_store``, ``store_bind``; ``domain``
 unless a driver sets one for the engine), and so does the job token unless
 the driver asks (offline engines, in the driver's own process tree):
 servers read ``$RESHARD_TOKEN`` from their own environment.
+
+The spec declares its fields (it is a wire type, read by other processes);
+``tests/test_group_settings.py`` pins them to ``GroupConfig``'s (names,
+types, defaults), and every conversion goes through ``settings``.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 import msgspec
 
+from reshard.transport.config import GROUP, settings
 from reshard.transport.group import GroupConfig
 from reshard.transport.session import DEFAULT_BUDGET_BYTES
 from reshard.transport.wire import MAX_MESSAGE_BYTES
@@ -54,6 +60,9 @@ class GroupSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     """Delta refits (``GroupConfig.delta``): workers keep what they received
     and take only what changed since (``docs/delta.md``)."""
 
+    WORKER_OPTIONS: ClassVar[tuple[str, ...]] = ("engine_offset", "budget_bytes", "atomic")
+    """The fields that are the engine workers' own options, not group settings."""
+
     @classmethod
     def of(
         cls,
@@ -68,22 +77,12 @@ class GroupSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
         """The spec of ``config`` for one engine (per-rank fields left out;
         ``domain``: the engine's own domain label, if the driver knows it)."""
         return cls(
-            address=config.address,
-            num_sources=config.num_sources,
-            num_destinations=config.num_destinations,
-            job=config.job,
-            generation=config.generation,
-            timeout_s=config.timeout_s,
-            backend=config.backend,
-            checksums=config.checksums,
-            max_metadata_bytes=config.max_metadata_bytes,
+            **settings(config, GROUP),
             domain=domain,
             token=config.token if with_token else None,
             engine_offset=engine_offset,
             budget_bytes=budget_bytes,
             atomic=atomic,
-            shared_memory=config.shared_memory,
-            delta=config.delta,
         )
 
     @classmethod
@@ -101,22 +100,7 @@ class GroupSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
 
     def config(self) -> GroupConfig:
         """The :class:`GroupConfig` a worker joins with (it never hosts the store)."""
-        return GroupConfig(
-            address=self.address,
-            num_sources=self.num_sources,
-            num_destinations=self.num_destinations,
-            job=self.job,
-            generation=self.generation,
-            timeout_s=self.timeout_s,
-            backend=self.backend,
-            checksums=self.checksums,
-            max_metadata_bytes=self.max_metadata_bytes,
-            domain=self.domain,
-            token=self.token,
-            host_store=False,
-            shared_memory=self.shared_memory,
-            delta=self.delta,
-        )
+        return GroupConfig(**settings(self, GROUP), domain=self.domain, token=self.token, host_store=False)
 
     def rank_of(self, worker: int) -> int:
         """The refit rank of this engine's worker ``worker``."""

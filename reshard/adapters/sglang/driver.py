@@ -45,6 +45,7 @@ from reshard.adapters.core.spec import GroupSpec
 from reshard.adapters.sglang import protocol
 from reshard.adapters.sglang.protocol import Command
 from reshard.errors import MixedWeightsError, RefitError, ReshardError
+from reshard.transport.config import parse_address
 from reshard.transport.session import DEFAULT_BUDGET_BYTES
 
 if TYPE_CHECKING:
@@ -254,11 +255,11 @@ class SglangEngine:
         from torch.distributed import PrefixStore, TCPStore
 
         spec = cmd.group
-        host, _, port = spec.address.rpartition(":")
+        host, port = parse_address(spec.address)
         try:
             tcp = TCPStore(
                 host,
-                int(port),
+                port,
                 None,
                 False,
                 timeout=datetime.timedelta(seconds=30),

@@ -33,6 +33,7 @@ from reshard.adapters.core.replies import WorkerReply, failure
 from reshard.adapters.core.spec import GroupSpec
 from reshard.adapters.sglang import protocol
 from reshard.adapters.sglang.protocol import Command
+from reshard.transport.config import parse_address
 
 if TYPE_CHECKING:
     import torch
@@ -195,10 +196,10 @@ def _post(spec: GroupSpec, reply: WorkerReply) -> None:
     from torch.distributed import PrefixStore, TCPStore
 
     try:
-        host, _, port = spec.address.rpartition(":")
+        host, port = parse_address(spec.address)
         tcp = TCPStore(
             host,
-            int(port),
+            port,
             None,
             False,
             timeout=datetime.timedelta(seconds=min(spec.timeout_s, 60.0)),

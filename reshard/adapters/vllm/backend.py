@@ -48,7 +48,7 @@ import functools
 import threading
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import msgspec
 from vllm.distributed.weight_transfer.base import (
@@ -63,8 +63,11 @@ from vllm.distributed.weight_transfer.base import (
 
 from reshard.adapters.core.spec import GroupSpec
 from reshard.errors import ReshardError
-from reshard.transport.session import DEFAULT_BUDGET_BYTES
+from reshard.transport.config import GROUP, TRAINER, settings
 from reshard.transport.wire import MAX_MESSAGE_BYTES
+
+if TYPE_CHECKING:
+    from reshard.transport.group import GroupConfig
 
 __all__ = [
     "ReshardEngine",
@@ -76,32 +79,25 @@ __all__ = [
 ]
 
 
-@dataclass
 class ReshardInitInfo(WeightTransferInitInfo):
     """The worker side's init info: the fields of
-    :class:`reshard.adapters.core.spec.GroupSpec` but the job token (workers
-    read ``$RESHARD_TOKEN`` from their own environment)."""
+    :class:`reshard.adapters.core.spec.GroupSpec` as keywords, but the job
+    token (workers read ``$RESHARD_TOKEN`` from their own environment).
+    vLLM builds it from the request's dict; unknown or mistyped keys are a
+    ``TypeError`` naming them, which vLLM reports as an invalid init_info."""
 
-    address: str
-    num_sources: int
-    num_destinations: int
-    job: str = "reshard"
-    generation: int = 0
-    timeout_s: float = 300.0
-    backend: str = "auto"
-    checksums: bool = False
-    max_metadata_bytes: int = MAX_MESSAGE_BYTES
-    domain: str | None = None
-    engine_offset: int = 0
-    budget_bytes: int = DEFAULT_BUDGET_BYTES
-    atomic: bool = False
-    shared_memory: bool = False
-    delta: bool = False
-    """Delta refits (``GroupConfig.delta``): each worker keeps a copy of the
-    slices it keeps and receives only what changed since the last refit."""
+    spec: GroupSpec
 
-    def spec(self) -> GroupSpec:
-        return GroupSpec.parse(asdict(self))
+    def __init__(self, **fields: Any) -> None:
+        if "token" in fields:
+            raise TypeError("the job token never travels in init_info: workers read $RESHARD_TOKEN")
+        try:
+            self.spec = GroupSpec.parse(fields)
+        except msgspec.ValidationError as e:
+            raise TypeError(f"{e}") from None
+
+    def __repr__(self) -> str:
+        return f"ReshardInitInfo({self.spec!r})"
 
 
 _PHASES = ("pull", "stage", "commit")
@@ -138,7 +134,7 @@ class ReshardEngine(WeightTransferEngine[ReshardInitInfo, ReshardUpdateInfo]):
         from reshard.adapters.vllm.receiver import VllmReceiver
 
         self.shutdown()
-        spec = init_info.spec()
+        spec = init_info.spec
         worker_rank = dist.get_rank() if dist.is_initialized() else 0
         self.receiver = VllmReceiver(
             self.model,
@@ -295,7 +291,13 @@ def _all_gather_failures(entries: list[tuple[int, str]], group) -> list[tuple[in
 
 @dataclass
 class ReshardTrainerInitInfo(TrainerInitInfo):
-    """Trainer side: the refit group, and how engine workers are numbered."""
+    """Trainer side: the refit group, and how engine workers are numbered.
+
+    The group settings are :class:`~reshard.transport.group.GroupConfig`'s
+    fields of scopes ``group`` and ``trainer``, with their defaults (see
+    there; ``tests/test_group_settings.py`` pins them), but ``backend``: this
+    class attribute names vLLM's weight-transfer backend, so the process
+    group's is ``group_backend``."""
 
     backend: ClassVar[str] = "reshard"
     address: str = ""
@@ -304,7 +306,9 @@ class ReshardTrainerInitInfo(TrainerInitInfo):
     job: str = "reshard"
     generation: int = 0
     timeout_s: float = 300.0
+    group_backend: str = "auto"
     checksums: bool = False
+    max_metadata_bytes: int = MAX_MESSAGE_BYTES
     worker_init: dict[str, Any] = field(default_factory=dict)
     """Extra worker-side init keys (``engine_offset``, ``budget_bytes``, ``domain``, ``atomic``)."""
     two_phase: bool = False
@@ -327,6 +331,15 @@ class ReshardTrainerInitInfo(TrainerInitInfo):
     move (``GroupConfig.delta``, ``docs/delta.md``)."""
     delta_budget_bytes: int | None = None
     """Bound on each trainer rank's snapshot of what it sent last (``GroupConfig.delta_budget_bytes``)."""
+
+    def group_config(self) -> GroupConfig:
+        """The :class:`GroupConfig` this trainer rank joins with (the driver
+        hosts the store itself, before the workers dial in)."""
+        from reshard.transport.group import GroupConfig
+
+        return GroupConfig(
+            **settings(self, GROUP, TRAINER, exclude=("backend",)), backend=self.group_backend, host_store=False
+        )
 
 
 class _OfflineClient:
@@ -370,7 +383,7 @@ class ReshardTrainerEngine(TrainerWeightTransferEngine[ReshardTrainerInitInfo]):
     @classmethod
     def trainer_init(cls, init_info: ReshardTrainerInitInfo, *, client, source=None) -> ReshardTrainerEngine:
         from reshard.sender import Sender
-        from reshard.transport.group import GroupConfig, serve_store
+        from reshard.transport.group import serve_store
 
         module = getattr(source, "_module", source)
         if module is None:
@@ -378,20 +391,7 @@ class ReshardTrainerEngine(TrainerWeightTransferEngine[ReshardTrainerInitInfo]):
         if init_info.pause_mode not in (None, "wait", "keep", "abort"):
             raise ValueError(f"pause_mode must be wait, keep, abort or None, got {init_info.pause_mode!r}")
         self = cls(client=weight_sync_client(client), source=source, is_sender=init_info.is_sender)
-        cfg = GroupConfig(
-            address=init_info.address,
-            num_sources=init_info.num_sources,
-            num_destinations=init_info.num_destinations,
-            job=init_info.job,
-            generation=init_info.generation,
-            timeout_s=init_info.timeout_s,
-            checksums=init_info.checksums,
-            host_store=False,
-            shared_memory=init_info.shared_memory,
-            export_sources=init_info.export_sources,
-            delta=init_info.delta,
-            delta_budget_bytes=init_info.delta_budget_bytes,
-        )
+        cfg = init_info.group_config()
         self.sender = Sender(module, config=cfg, rank=init_info.rank)
         self.refits = 0
         self.two_phase = init_info.two_phase
