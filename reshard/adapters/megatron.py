@@ -45,6 +45,7 @@ from typing import TYPE_CHECKING, Any
 from reshard.plan.box import Box, full_box
 from reshard.plan.layout import TensorMeta
 from reshard.plan.specs import PieceSpec
+from reshard.sender.readers import Description, ReadContext, TrainerReader, register_reader
 
 if TYPE_CHECKING:
     import torch
@@ -54,6 +55,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "MegatronRanks",
+    "MegatronSource",
     "checkpoint_recipe",
     "megatron_pieces",
     "megatron_sender",
@@ -439,6 +441,33 @@ def _legacy_grouped(
     return view, entries
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class MegatronSource:
+    """This rank's Megatron-Core model as ``Sender(source)`` reads it:
+    ``Sender(MegatronSource(model=model, hf_config=hf), config=...)``.
+
+    ``model``: a GPTModel, possibly wrapped (DDP, Float16Module), or a list
+    of virtual-pipeline chunks; ``hf_config``: the checkpoint's config;
+    ``ranks``: default :meth:`MegatronRanks.current` (see
+    :func:`megatron_pieces`). Read again at every push, like any trainer."""
+
+    model: Any
+    hf_config: Any
+    ranks: MegatronRanks | None = None
+
+
+def _describe_source(source: Any, ctx: ReadContext) -> Description | None:
+    if not isinstance(source, MegatronSource):
+        return None
+    pieces, tensors = megatron_pieces(source.model, hf_config=source.hf_config, ranks=source.ranks)
+    return pieces, [], tensors
+
+
+READER = register_reader(TrainerReader(name="Megatron-Core (MegatronSource)", describe=_describe_source))
+"""Megatron's TP/PP/EP/ETP cuts, fused QKV and gated MLP, from its own
+parallel state: each rank publishes only its own slices."""
+
+
 def megatron_sender(
     model: Any,
     *,
@@ -448,17 +477,15 @@ def megatron_sender(
     ranks: MegatronRanks | None = None,
     **kwargs: Any,
 ) -> Sender:
-    """A :class:`reshard.Sender` for this rank's Megatron model chunk(s).
+    """A :class:`reshard.Sender` for this rank's Megatron model chunk(s):
+    ``Sender(MegatronSource(...), config=config, rank=rank, **kwargs)``.
 
     ``rank``: this rank's refit rank (default: its rank in the default
     process group, Megatron's global rank). Other keywords go to
-    :meth:`reshard.Sender.from_pieces` (``device``, ``budget_bytes``, ...).
-    Every data-parallel replica publishes its slices; the planner picks
-    which replica sends each byte.
+    :class:`reshard.Sender` (``device``, ``budget_bytes``, ...). Every
+    data-parallel replica publishes its slices; the planner picks which
+    replica sends each byte.
     """
-    from reshard.sender import Sender, default_rank
+    from reshard.sender import Sender
 
-    pieces, tensors = megatron_pieces(model, hf_config=hf_config, ranks=ranks)
-    if rank is None:
-        rank = default_rank()
-    return Sender.from_pieces(pieces, tensors, config=config, rank=rank, **kwargs)
+    return Sender(MegatronSource(model=model, hf_config=hf_config, ranks=ranks), config=config, rank=rank, **kwargs)

@@ -23,7 +23,7 @@ offloaded partitions, AutoEP expert groups) read where DeepSpeed keeps them.
   names split as usual. Under ZeRO-3 the expert stacks are partitioned over
   the expert-data-parallel group, which ``ds_process_group`` names.
 
-DeepSpeed attributes read (pinned by ``tests/test_trainers_unit.py``):
+DeepSpeed attributes read (pinned by ``tests/test_trainers.py``):
 ``ds_shape``, ``ds_numel``, ``ds_tensor`` (``status``, ``ds_quant_scale``),
 ``ds_process_group``; ``AutoEPMoELayer.model_family``, ``ep_rank``,
 ``num_local_experts``, ``expert_placement_descriptor``,
@@ -34,10 +34,12 @@ from __future__ import annotations
 
 import re
 import sys
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from reshard.plan.box import Box, chunk_block, chunk_range
 from reshard.sender.held import Held, flat_held
+from reshard.sender.readers import ReadContext, TrainerReader, register_reader
 
 if TYPE_CHECKING:
     import torch
@@ -222,3 +224,56 @@ def autoep_held(path: str, layer: Any, *, where: str, rank: int, config: Any = N
             )
         out += _slab_held(name, local, p, Box((0,) * len(local), local), where=here, rank=rank)
     return out, ids
+
+
+# -- the reader ----------------------------------------------------------------
+
+
+def _autoep_modules(model: torch.nn.Module, ctx: ReadContext) -> Iterator[tuple[list[Held], set[int]]]:
+    config = autoep_config(ctx.source)
+    for path, layer in autoep_layers(model):
+        yield autoep_held(path, layer, where=ctx.where, rank=ctx.rank, config=config)
+
+
+def _zero3_tensor(name: str, t: torch.Tensor, ctx: ReadContext) -> list[Held] | None:
+    return zero3_held(name, t, where=ctx.where, rank=ctx.rank) if is_zero3_param(t) else None
+
+
+def _refuse_moe(name: str, t: torch.Tensor, ctx: ReadContext) -> str | None:
+    if getattr(t, "allreduce", True) is not False:
+        return None
+    return (
+        f"rank {ctx.rank}: {name!r} of {ctx.where} (shape {list(getattr(t, 'ds_shape', t.shape))}) is a DeepSpeed "
+        "MoE expert parameter (deepspeed.moe, allreduce=False): each expert-parallel rank holds other experts "
+        "under the same name, which reshard does not read yet; use AutoEP (expert_parallel in the config) "
+        "or describe the experts with Sender.from_pieces"
+    )
+
+
+def _refuse_autotp(model: torch.nn.Module, ctx: ReadContext) -> str | None:
+    for path, mod in model.named_modules():
+        cls = type(mod)
+        if cls.__module__.startswith("deepspeed.module_inject.layers") and any(
+            c.__name__ == "TensorParallel_Layer" for c in cls.__mro__
+        ):
+            return (
+                f"rank {ctx.rank}: layer {path!r} ({cls.__name__}) of {ctx.where} is a DeepSpeed AutoTP "
+                "tensor-parallel layer, which reshard does not read yet; describe its tensors with "
+                "Sender.from_pieces"
+            )
+    return None
+
+
+READER = register_reader(
+    TrainerReader(
+        name="DeepSpeed ZeRO-1/2/3 (DeepSpeedEngine, zero.Init, AutoEP)",
+        unwrap=deepspeed_engine_module,
+        modules=_autoep_modules,
+        tensor=_zero3_tensor,
+        refuse=_refuse_moe,
+        refuse_module=_refuse_autotp,
+    )
+)
+"""ZeRO-3 partitions and AutoEP layers as views of this rank's storage;
+ZeRO-1/2 parameters are whole on every rank (replicas, read as plain
+tensors)."""

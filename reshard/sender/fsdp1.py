@@ -20,7 +20,7 @@ groups are replicas) and mixed precision: the chunk read is
 precision copies exist only during forward and backward). Names are the
 unit's path plus ``_fqns``; ``default_rename`` drops ``_fsdp_wrapped_module.``.
 
-FSDP1 attributes read (private; pinned by ``tests/test_trainers_unit.py``):
+FSDP1 attributes read (private; pinned by ``tests/test_trainers.py``):
 ``FullyShardedDataParallel._handle``, ``FlatParamHandle.flat_param``,
 ``FlatParameter._fqns``, ``_shapes``, ``_shard_param_infos``,
 ``_sharded_size``, ``_local_shard`` (set at FSDP1's lazy init, at the first
@@ -29,9 +29,11 @@ forward), ``_params``, ``_shared_params``.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from reshard.sender.held import Held, flat_held
+from reshard.sender.readers import ReadContext, TrainerReader, register_reader
 
 if TYPE_CHECKING:
     import torch
@@ -102,3 +104,26 @@ def fsdp1_held(path: str, unit: Any, *, where: str, rank: int) -> tuple[list[Hel
     for group in (getattr(fp, "_params", None), getattr(fp, "_shared_params", None)):
         ids.update(id(p) for p in group or ())
     return out, ids
+
+
+# -- the reader ----------------------------------------------------------------
+
+
+def _units(model: torch.nn.Module, ctx: ReadContext) -> Iterator[tuple[list[Held], set[int]]]:
+    for path, unit in fsdp1_units(model):
+        yield fsdp1_held(path, unit, where=ctx.where, rank=ctx.rank)
+
+
+def _refuse_stray_flat(name: str, t: torch.Tensor, ctx: ReadContext) -> str | None:
+    if not is_flat_param(t):
+        return None
+    return (
+        f"rank {ctx.rank}: {name!r} of {ctx.where} is an FSDP1 flat parameter of shape {list(t.shape)} outside "
+        "any FullyShardedDataParallel unit reshard can see; pass the FSDP-wrapped model itself"
+    )
+
+
+READER = register_reader(
+    TrainerReader(name="FSDP1 (FullyShardedDataParallel)", modules=_units, refuse=_refuse_stray_flat)
+)
+"""Each unit's flat parameter, as views of its local shard."""

@@ -82,18 +82,18 @@ def _local_box(t: torch.Tensor) -> Box:
 
 
 def describe_module(
-    source: torch.nn.Module | Mapping[str, torch.Tensor],
+    tensors: Mapping[str, torch.Tensor],
     *,
     rank: int,
     rename: Callable[[str], str | None] | None = default_rename,
     model_type: str | None = None,
-    include_buffers: bool = True,
     source_rank_of: Callable[[int], int] | None = None,
 ) -> tuple[list[PieceSpec], list[GridSpec], dict[str, torch.Tensor]]:
-    """(pieces, grids, local tensors) this rank holds."""
+    """(pieces, grids, local tensors) this rank holds of ``tensors`` (a
+    module's DTensors and plain tensors, by parameter name)."""
     from torch.distributed.tensor import DTensor
 
-    items = _named_tensors(source, include_buffers)
+    items = list(tensors.items())
     names = CheckpointNames(model_type)
     pieces: list[PieceSpec] = []
     grids: list[GridSpec] = []
@@ -167,22 +167,3 @@ def checkpoint_pieces(split: Sequence[CheckpointPiece], dtype: str, box: Box, lo
         loff = tuple(inter.offsets[d] - box.offsets[d] for d in range(ndim))
         pieces.append(PieceSpec(meta, gbox, local, box.sizes, loff, cp.dims))
     return pieces
-
-
-def _named_tensors(source, include_buffers: bool) -> list[tuple[str, torch.Tensor]]:
-    import torch
-
-    if isinstance(source, torch.nn.Module):
-        out: list[tuple[str, torch.Tensor]] = []
-        seen: set[int] = set()
-        for n, p in source.named_parameters():
-            seen.add(id(p))
-            out.append((n, p))
-        if include_buffers:
-            persistent = set(source.state_dict(keep_vars=True))
-            for n, b in source.named_buffers():
-                if n in persistent and id(b) not in seen:
-                    seen.add(id(b))
-                    out.append((n, b))
-        return out
-    return list(source.items())
