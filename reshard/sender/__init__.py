@@ -6,9 +6,10 @@ Call order (every trainer rank, collectively with every engine worker):
    holds: DTensor parameters (FSDP2 ``fully_shard``, TP) from their mesh and
    placements, DeepSpeed ZeRO-3 partitions and FSDP1 flat parameters from
    their own records (:mod:`reshard.sender.trainers`), plain tensors as
-   replicas, fused transformers parameters split into checkpoint tensors;
-   or explicit :class:`PieceSpec` records
-   (:meth:`Sender.from_pieces`, used by the Megatron adapter).
+   replicas, fused transformers parameters split into checkpoint tensors,
+   and whatever a registered trainer reader reads
+   (:mod:`reshard.sender.readers`: Megatron's ``MegatronSource``); or
+   explicit :class:`PieceSpec` records (:meth:`Sender.from_pieces`).
 2. ``sender.push(n)`` for refits ``n = 1, 2, ...``: joins the refit group on
    first use, then plans and sends. Every engine worker calls its receiver's
    ``pull(n)`` at the same time.
@@ -18,13 +19,12 @@ Call order (every trainer rank, collectively with every engine worker):
 from __future__ import annotations
 
 import logging
-import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from reshard.plan.layout import Layout
 from reshard.plan.specs import GridSpec, PieceSpec, build_layout
-from reshard.sender.engines import Engines, EngineStats
+from reshard.sender.engines import Engines, EngineStats, push_beside
 from reshard.sender.pieces import default_rename
 from reshard.sender.trainers import describe_trainer
 from reshard.transport.group import GroupConfig
@@ -43,7 +43,7 @@ class Sender:
 
     def __init__(
         self,
-        source: torch.nn.Module | Mapping[str, torch.Tensor],
+        source: torch.nn.Module | Mapping[str, torch.Tensor] | Any,
         *,
         config: GroupConfig,
         rank: int | None = None,
@@ -56,8 +56,10 @@ class Sender:
         round_bytes: int | None = None,
         progress: bool | None = None,
     ) -> None:
-        """``source``: a module (parameters and persistent buffers) or a dict
-        of named tensors. ``rank``: this trainer rank (default: the rank in
+        """``source``: a module (parameters and persistent buffers), as the
+        trainer wrapped it, or a dict of named tensors, or what a registered
+        trainer reader takes (:mod:`reshard.sender.readers`; e.g.
+        ``reshard.adapters.megatron.MegatronSource``). ``rank``: this trainer rank (default: the rank in
         the default process group, else 0). ``rename`` maps a parameter name
         to its checkpoint name (``None`` skips it; the default strips FSDP,
         DDP and ``torch.compile`` prefixes). ``model_type``: the transformers
@@ -201,33 +203,14 @@ class Sender:
         if id(engines) not in self._engines_ready:
             engines.init(self.session.config)
             self._engines_ready.add(id(engines))
-        errors: list[BaseException] = []
-        replies: list[list[dict]] = []
-
-        def drive() -> None:
-            try:
-                replies.append(engines.refit(refit, method=method))
-            except BaseException as e:  # re-raised below
-                errors.append(e)
-                self.cancel(f"the engines failed: {e}")
-
-        self.cancel(None)
         self.engine_stats = []
         self.engine_replies = []
-        driver = threading.Thread(target=drive, name="reshard-drive-engines", daemon=True)
-        driver.start()
-        try:
-            stats = self._push(refit, method, after_round)
-        except BaseException as push_error:
-            driver.join()
-            if errors:
-                # The engines' own account (every worker's error) says more.
-                raise errors[0] from push_error
-            raise
-        driver.join()
-        if errors:
-            raise errors[0]
-        self.engine_replies = replies[0] if replies else []
+        stats, replies = push_beside(
+            lambda: self._push(refit, method, after_round),
+            lambda _pushed: engines.refit(refit, method=method),
+            cancel=self.cancel,
+        )
+        self.engine_replies = list(replies)
         self.engine_stats = [EngineStats.of(r) for r in self.engine_replies]
         return self._done(stats, method)
 

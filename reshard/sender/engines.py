@@ -9,13 +9,18 @@ pause generation, pull, flush caches, resume. The vLLM adapter provides
 
 from __future__ import annotations
 
-from typing import Any, Protocol, runtime_checkable
+import threading
+from collections.abc import Callable
+from typing import Any, Protocol, TypeVar, runtime_checkable
 
 import msgspec
 
 from reshard.transport.group import GroupConfig
 
-__all__ = ["EngineStats", "Engines"]
+__all__ = ["EngineStats", "Engines", "push_beside"]
+
+T = TypeVar("T")
+R = TypeVar("R")
 
 
 class EngineStats(msgspec.Struct, kw_only=True):
@@ -111,3 +116,49 @@ class Engines(Protocol):
         (:class:`reshard.errors.MixedWeightsError` if weights now mix old and
         new)."""
         ...
+
+
+def push_beside(
+    push: Callable[[], T],
+    drive: Callable[[threading.Event], R],
+    *,
+    cancel: Callable[[str | None], None],
+) -> tuple[T, R]:
+    """Run ``drive(pushed)`` (the engines' side of a refit: pause, pull,
+    commit, flush) in a thread while ``push()`` (this rank's side) runs here;
+    ``pushed`` is set once the push returned or failed (a two-phase commit
+    waits for it). Returns both results.
+
+    If the drive fails, ``cancel(reason)`` makes this rank's push fail at
+    once: engines that failed before they joined would leave it waiting for
+    them until the timeout (``cancel(None)`` clears a reason left from a
+    previous refit first). Errors: the drive's, chained from the push's when
+    both failed (the engines' account names every worker's error); else the
+    push's."""
+    results: list[R] = []
+    errors: list[BaseException] = []
+    pushed = threading.Event()
+
+    def run() -> None:
+        try:
+            results.append(drive(pushed))
+        except BaseException as e:  # re-raised below
+            errors.append(e)
+            cancel(f"the engines failed: {e}")
+
+    cancel(None)
+    driver = threading.Thread(target=run, name="reshard-drive-engines", daemon=True)
+    driver.start()
+    try:
+        out = push()
+    except BaseException as push_error:
+        pushed.set()
+        driver.join()
+        if errors:
+            raise errors[0] from push_error
+        raise
+    pushed.set()
+    driver.join()
+    if errors:
+        raise errors[0]
+    return out, results[0]

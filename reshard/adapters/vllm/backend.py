@@ -61,8 +61,10 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateRequest,
 )
 
+from reshard.adapters.core.replies import WorkerReply, failure, raise_from_text, with_replies
 from reshard.adapters.core.spec import GroupSpec
-from reshard.errors import ReshardError
+from reshard.errors import MixedWeightsError, ReshardError
+from reshard.sender.engines import push_beside
 from reshard.transport.config import GROUP, TRAINER, settings
 from reshard.transport.wire import MAX_MESSAGE_BYTES
 
@@ -218,16 +220,19 @@ def _guarded(phase: str, method):
             engine.shutdown()
         if me != last:
             return None
-        raise ReshardError(_describe(phase, failures)) from error
+        # vLLM passes only this error's text on (an HTTP body, an executor's
+        # RuntimeError): the replies ride in it, and the driver's _call turns
+        # them back into the typed error (MixedWeightsError, RefitError).
+        raise ReshardError(with_replies(_describe(phase, failures), failures)) from error
 
     run._reshard_guard = True  # type: ignore[attr-defined]
     return run
 
 
-def _describe(phase: str, failures: list[tuple[int, str]]) -> str:
+def _describe(phase: str, failures: list[WorkerReply]) -> str:
     by_text: dict[str, list[int]] = {}
-    for rank, text in failures:
-        by_text.setdefault(text, []).append(rank)
+    for r in failures:
+        by_text.setdefault(f"{r.type}: {r.error}", []).append(r.rank)
     lines = [f"worker(s) {', '.join(map(str, ranks))}: {text}" for text, ranks in by_text.items()]
     return f"reshard: {phase} failed; no worker keeps an update session open\n" + "\n".join(lines)
 
@@ -244,9 +249,10 @@ def executor_rank(tp: tuple[int, int], pcp: tuple[int, int], pp: tuple[int, int]
     return (p * nc + c) * nt + t, np_ * nc * nt - 1
 
 
-def _exchange_failures(error: BaseException | None) -> tuple[int, int, list[tuple[int, str]]]:
+def _exchange_failures(error: BaseException | None) -> tuple[int, int, list[WorkerReply]]:
     """``(this worker, the last worker, failures)`` across the workers of this
-    engine (one executor: PP x PCP x TP), in the order the executor reads replies."""
+    engine (one executor: PP x PCP x TP), in the order the executor reads
+    replies; each failure is its worker's reply (``rank``: its index there)."""
     from vllm.distributed import parallel_state as ps
 
     tp, pp = ps.get_tp_group(), ps.get_pp_group()
@@ -256,14 +262,14 @@ def _exchange_failures(error: BaseException | None) -> tuple[int, int, list[tupl
         (pcp.rank_in_group, pcp.world_size) if pcp is not None else (0, 1),
         (pp.rank_in_group, pp.world_size),
     )
-    failures = [(me, f"{type(error).__name__}: {error}")] if error is not None else []
+    failures = [failure(error, rank=me)] if error is not None else []
     for group in (tp, pcp, pp):
         if group is not None and group.world_size > 1:
             failures = _all_gather_failures(failures, group.cpu_group)
-    return me, last, sorted(failures)
+    return me, last, sorted(failures, key=lambda r: r.rank)
 
 
-def _all_gather_failures(entries: list[tuple[int, str]], group) -> list[tuple[int, str]]:
+def _all_gather_failures(entries: list[WorkerReply], group) -> list[WorkerReply]:
     """Every member's entries, over a CPU (gloo) group: lengths, then padded
     msgpack bytes (no pickle)."""
     import msgspec
@@ -280,9 +286,9 @@ def _all_gather_failures(entries: list[tuple[int, str]], group) -> list[tuple[in
     buf[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else buf[:0]
     bufs = [torch.zeros(width, dtype=torch.uint8) for _ in range(n)]
     dist.all_gather(bufs, buf, group=group)
-    out: list[tuple[int, str]] = []
+    out: list[WorkerReply] = []
     for b, s in zip(bufs, sizes, strict=True):
-        out += [(int(r), str(t)) for r, t in msgspec.msgpack.decode(b[: int(s)].numpy().tobytes())]
+        out += msgspec.msgpack.decode(b[: int(s)].numpy().tobytes(), type=list[WorkerReply])
     return out
 
 
@@ -407,68 +413,50 @@ class ReshardTrainerEngine(TrainerWeightTransferEngine[ReshardTrainerInitInfo]):
     def send_weights(self) -> None:
         self.refits += 1
         refit = self.refits
-        errors: list[BaseException] = []
-        driver = None
-        pushed = threading.Event()
-        self.sender.cancel(None)
-        if self.is_sender:
-            client = self.client
+        push = functools.partial(self.sender.push, refit)
+        if not self.is_sender:
+            push()
+            return
+        push_beside(push, functools.partial(self._drive, refit), cancel=self.sender.cancel)
 
-            def drive() -> None:
-                try:
-                    _call(client.start_weight_update)
-                    if not self.two_phase:
-                        _call(client.update_weights, asdict(ReshardUpdateInfo(refit=refit)))
-                    else:
-                        _call(client.update_weights, asdict(ReshardUpdateInfo(refit=refit, phase="stage")))
-                        # The engine serves on its old weights while the
-                        # workers receive; the commit raises if staging failed.
-                        pushed.wait()
-                        with paused(client, self.pause_mode):
-                            _call(client.update_weights, asdict(ReshardUpdateInfo(refit=refit, phase="commit")))
-                            _call(client.finish_weight_update)
-                            reset_prefix_cache(client, running=self.pause_mode == "keep")
-                        return
-                    _call(client.finish_weight_update)
-                    # Cached prefixes were computed with the old weights.
-                    reset_prefix_cache(client)
-                except BaseException as e:  # re-raised below
-                    errors.append(e)
-                    # Engines that failed before they joined would leave this
-                    # rank waiting for them until the timeout.
-                    self.sender.cancel(f"the engine failed: {e}")
-
-            driver = threading.Thread(target=drive, name="reshard-drive-engine", daemon=True)
-            driver.start()
-        try:
-            self.sender.push(refit)
-        except BaseException as push_error:
-            pushed.set()
-            if driver is not None:
-                driver.join()
-            if errors:
-                # The engine's own account (every worker's error) says more.
-                raise errors[0] from push_error
-            raise
-        pushed.set()
-        if driver is not None:
-            driver.join()
-        if errors:
-            raise errors[0]
+    def _drive(self, refit: int, pushed: threading.Event) -> None:
+        """The engine's side of refit ``refit``, through vLLM's weight-sync client."""
+        client = self.client
+        _call(client.start_weight_update)
+        if not self.two_phase:
+            _call(client.update_weights, asdict(ReshardUpdateInfo(refit=refit)))
+            _call(client.finish_weight_update)
+            # Cached prefixes were computed with the old weights.
+            reset_prefix_cache(client)
+            return
+        _call(client.update_weights, asdict(ReshardUpdateInfo(refit=refit, phase="stage")))
+        # The engine serves on its old weights while the workers receive;
+        # the commit raises if staging failed.
+        pushed.wait()
+        with paused(client, self.pause_mode):
+            _call(client.update_weights, asdict(ReshardUpdateInfo(refit=refit, phase="commit")))
+            _call(client.finish_weight_update)
+            reset_prefix_cache(client, running=self.pause_mode == "keep")
 
     def shutdown(self) -> None:
         self.sender.close()
 
 
 def _call(fn, *args: Any) -> None:
-    """Call a weight-sync client method; an HTTP error carries the server's
-    answer (vLLM's HTTP client raises ``requests.HTTPError`` naming only the
-    status)."""
+    """Call a weight-sync client method. A failure the workers reported
+    becomes the typed error they reported (:func:`raise_from_text`: a
+    :class:`MixedWeightsError` where weights now mix); another HTTP error
+    carries the server's answer (vLLM's HTTP client raises
+    ``requests.HTTPError`` naming only the status)."""
     try:
         fn(*args)
     except Exception as e:
         response = getattr(e, "response", None)
         text = getattr(response, "text", None)
+        try:
+            raise_from_text(text or str(e), fn.__name__)
+        except ReshardError as typed:
+            raise typed from e
         if not text:
             raise
         raise ReshardError(f"{fn.__name__}: {e}: {text[:4000]}") from e
@@ -491,9 +479,10 @@ def paused(client: Any, mode: str) -> Iterator[None]:
     requests.post(f"{base_url}/pause", params={"mode": mode}, timeout=timeout).raise_for_status()
     try:
         yield
-    except BaseException as e:
-        if "MixedWeightsError" not in str(e):
-            requests.post(f"{base_url}/resume", timeout=timeout).raise_for_status()
+    except MixedWeightsError:
+        raise
+    except BaseException:
+        requests.post(f"{base_url}/resume", timeout=timeout).raise_for_status()
         raise
     requests.post(f"{base_url}/resume", timeout=timeout).raise_for_status()
 
