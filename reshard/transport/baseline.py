@@ -175,7 +175,7 @@ def gather_broadcast(
             stats.rounds += 1
     except Exception as e:
         error = f"{type(e).__name__}: {e}"
-        group.signal_abort(refit, error)
+        group.signal_abort(error, refit=refit)
     stats.seconds = time.perf_counter() - t0
     group.agree("transfer", refit, wire.Status(rank=rank, step="transfer", refit=refit, ok=not error, error=error))
     stats.dense_bytes = stats.wire_bytes = stats.bytes_sent + stats.bytes_received

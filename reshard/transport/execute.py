@@ -56,7 +56,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from reshard.errors import RefitError
 from reshard.plan.delta_format import HEADER_BYTES
@@ -131,6 +131,22 @@ class _Recv:
     arena, unpacked after) or ``delta`` (a payload, applied after)."""
     parts: list[tuple[int, int, int]] = field(default_factory=list)
     """A delta payload's parts: ``(encoding, changed, bytes)`` per transfer."""
+
+
+class _Send(NamedTuple):
+    """One message this rank sends in a round."""
+
+    zero_copy: bool
+    """Sent straight from its source (nothing to pack first)."""
+    peer: int
+    tag: int
+    make: Callable[[], torch.Tensor]
+    """Its bytes (packing them into the arena, when it is packed)."""
+
+
+def _ready(buf: torch.Tensor) -> Callable[[], torch.Tensor]:
+    """A message's bytes that need no packing."""
+    return lambda: buf
 
 
 @dataclass(slots=True)
@@ -219,13 +235,9 @@ class Executor:
         tensors, and count what receivers read from this rank's."""
         me = self.plan.rank
         for peer, t in self._direct_out.get(rnd.index, ()):
-            link = self.group.direct_link(me, peer)
-            stats.bytes_sent += t.nbytes
-            stats.direct_bytes += t.nbytes
-            stats.send_by_peer[peer] = stats.send_by_peer.get(peer, 0) + t.nbytes
-            stats.send_by_link[link] = stats.send_by_link.get(link, 0) + t.nbytes
-            stats.dense_bytes += t.nbytes
-            stats.wire_bytes += t.nbytes
+            n = t.nbytes
+            stats.sent(peer, self.group.direct_link(me, peer), payload=n, dense=n, wire=n, messages=0)
+            stats.direct_bytes += n
         devices: set = set()
         for peer, t in self._direct_in.get(rnd.index, ()):
             link = self.group.direct_link(peer, me)
@@ -242,13 +254,9 @@ class Executor:
                 devices.update((dst.device, src.device))
             if t.dst.dtype and t.dst.dtype != t.dtype:
                 count_cast(stats, t)
-            stats.bytes_received += t.nbytes
-            stats.bytes_landed += landed(t)
-            stats.direct_bytes += t.nbytes
-            stats.recv_by_peer[peer] = stats.recv_by_peer.get(peer, 0) + t.nbytes
-            stats.recv_by_link[link] = stats.recv_by_link.get(link, 0) + t.nbytes
-            stats.dense_bytes += t.nbytes
-            stats.wire_bytes += t.nbytes
+            n = t.nbytes
+            stats.received(peer, link, payload=n, dense=n, wire=n, landed=landed(t), messages=0)
+            stats.direct_bytes += n
             if self.delta is not None:
                 self.delta.touched.add(t.dst.local)
         if devices:
@@ -381,122 +389,131 @@ class Executor:
         if self.after_round is not None:
             self.after_round(p.round.index)
 
-    def _count_recv(self, stats: ExecStats, peer: int, payload: int, dense: int) -> None:
-        stats.messages_received += 1 if payload else 0
-        stats.bytes_received += payload
-        stats.recv_by_peer[peer] = stats.recv_by_peer.get(peer, 0) + payload
-        link = self._link(peer)
-        stats.recv_by_link[link] = stats.recv_by_link.get(link, 0) + payload
-        stats.dense_bytes += dense
-
-    def _count_send(self, stats: ExecStats, peer: int, payload: int, dense: int) -> None:
-        stats.messages_sent += 1 if payload else 0
-        stats.bytes_sent += payload
-        stats.send_by_peer[peer] = stats.send_by_peer.get(peer, 0) + payload
-        link = self._link(peer)
-        stats.send_by_link[link] = stats.send_by_link.get(link, 0) + payload
-        stats.dense_bytes += dense
-
     def _start(self, rnd: Round, stats: ExecStats, base: int) -> _Pending:
+        """Post round ``rnd``: delta payloads encoded and headers exchanged,
+        receives and sends laid out, snapshots brought up to date, every
+        message posted, direct reads done. ``base``: the offset of the
+        arena's half this round stages in."""
         staging_bytes, offsets = round_staging(rnd, self.big_bytes, self._delta_peers)
         offsets = {k: v + base for k, v in offsets.items()}
-        arena = self._arena
-        recv_ops: list[_Recv] = []
-        send_ops: list[tuple] = []
-        payloads: dict[int, Payload] = {}
-        headers_in: dict[int, list[tuple[int, int]]] = {}
-        encoded: set[tuple] = set()
+        payloads, encoded, headers_in = self._deltas(rnd, offsets, stats)
+        recv_ops = self._receives(rnd, offsets, headers_in, stats)
+        send_ops = self._sends(rnd, offsets, payloads, stats)
         delta = self.delta
-        if delta is not None:
-            if delta.snapshots is not None and self._arena is not None:
-                payloads, encoded = encode_round(
-                    rnd, self._delta_peers, delta.snapshots, self._arena, offsets, self._tensor, self.device, stats
-                )
-            headers_in = self._exchange_headers(rnd, payloads)
-        # Receives: straight into the destination when possible, else into staging.
+        if delta is not None and delta.snapshots is not None:
+            snapshot_dense(rnd, self._delta_peers, delta.snapshots, encoded, self._tensor, self.device)
+        recvs = [r for r in recv_ops if r.buf is not None]
+        sums_in = self._checksum_buffers(recvs)
+        keep: list = []
+        works = self._post([(r.buf, r.peer, r.tag) for r in recvs], send_ops, sums_in, keep)
+        if self._direct_in or self._direct_out:
+            self._read_direct(rnd, stats)
+        return _Pending(rnd, recv_ops, works, staging_bytes, sums_in, keep)
+
+    def _deltas(
+        self, rnd: Round, offsets: dict[tuple, int], stats: ExecStats
+    ) -> tuple[dict[int, Payload], set[tuple], dict[int, list[tuple[int, int]]]]:
+        """A delta refit's round: this rank's payloads to its delta peers,
+        encoded into the arena (a sender), the transfers they cover, and the
+        peers' headers, exchanged now (every delta rank). Empty without deltas."""
+        delta = self.delta
+        if delta is None:
+            return {}, set(), {}
+        payloads: dict[int, Payload] = {}
+        encoded: set[tuple] = set()
+        if delta.snapshots is not None and self._arena is not None:
+            payloads, encoded = encode_round(
+                rnd, self._delta_peers, delta.snapshots, self._arena, offsets, self._tensor, self.device, stats
+            )
+        return payloads, encoded, self._exchange_headers(rnd, payloads)
+
+    def _receives(
+        self, rnd: Round, offsets: dict[tuple, int], headers_in: dict[int, list[tuple[int, int]]], stats: ExecStats
+    ) -> list[_Recv]:
+        """The round's receives: straight into the destination when it is one
+        contiguous slice, else into staging; a delta peer's payload, of the
+        size its header announced."""
+        arena = self._arena
+        out: list[_Recv] = []
         for peer in sorted(rnd.recvs):
+            transfers = rnd.recvs[peer]
+            link = self._link(peer)
+            dense = sum(t.nbytes for t in transfers)
+            landing = sum(landed(t) for t in transfers)
             if peer in self._delta_peers:
-                transfers = rnd.recvs[peer]
                 try:
                     parts = header_parts(transfers, headers_in[peer])
                 except ValueError as e:
                     raise self._error(f"rank {peer} sent a delta {e}") from e
                 total = sum(n for *_, n in parts)
+                buf = None
                 if total:
                     assert arena is not None
-                    recv_ops.append(
-                        _Recv(arena.narrow(0, offsets[("drecv", peer)], total), peer, 0, transfers, "delta", parts)
-                    )
-                else:
-                    recv_ops.append(_Recv(None, peer, -1, transfers, "delta", parts))
-                self._count_recv(stats, peer, total, sum(t.nbytes for t in transfers))
-                stats.wire_bytes += total + HEADER_BYTES * len(transfers)
-                stats.bytes_landed += sum(landed(t) for t in transfers)
+                    buf = arena.narrow(0, offsets[("drecv", peer)], total)
+                out.append(_Recv(buf, peer, 0 if total else -1, transfers, "delta", parts))
+                wire = total + HEADER_BYTES * len(transfers)
+                stats.received(peer, link, payload=total, dense=dense, wire=wire, landed=landing)
                 continue
-            for i, msg in enumerate(messages(rnd.recvs[peer], self.big_bytes)):
-                n = packed_size(msg)
+            msgs = messages(transfers, self.big_bytes)
+            for i, msg in enumerate(msgs):
                 off = offsets.get(("recv", peer, i))
                 if off is not None:
                     assert arena is not None
-                    recv_ops.append(_Recv(arena.narrow(0, off, n), peer, i, msg, "staged"))
+                    out.append(_Recv(arena.narrow(0, off, packed_size(msg)), peer, i, msg, "staged"))
                 else:
-                    recv_ops.append(_Recv(self._bytes_view(msg[0], "dst"), peer, i, msg, "inplace"))
-                payload = sum(t.nbytes for t in msg)
-                self._count_recv(stats, peer, payload, payload)
-                stats.wire_bytes += payload
-                stats.bytes_landed += sum(landed(t) for t in msg)
-        # Sends: straight from the source when it is one contiguous slice, else
-        # packed. Packing is deferred until the send is posted, and zero-copy
-        # sends go first, so packing overlaps with bytes already on the wire.
+                    out.append(_Recv(self._bytes_view(msg[0], "dst"), peer, i, msg, "inplace"))
+            stats.received(peer, link, payload=dense, dense=dense, wire=dense, landed=landing, messages=len(msgs))
+        return out
+
+    def _sends(
+        self, rnd: Round, offsets: dict[tuple, int], payloads: dict[int, Payload], stats: ExecStats
+    ) -> list[_Send]:
+        """The round's sends: straight from the source when it is one
+        contiguous slice, else packed (a slice sent to several peers once); a
+        delta peer's payload. Packing is deferred until the send is posted,
+        and on gloo zero-copy sends go first, so packing overlaps bytes
+        already on the wire."""
+        out: list[_Send] = []
         packed: set[tuple] = set()
         for peer in sorted(rnd.sends):
+            transfers = rnd.sends[peer]
+            link = self._link(peer)
+            dense = sum(t.nbytes for t in transfers)
             if peer in payloads:
                 buf = payloads[peer][0]
                 if buf.numel():
-                    send_ops.append((0, peer, 0, lambda buf=buf: buf))
-                dense = sum(t.nbytes for t in rnd.sends[peer])
-                self._count_send(stats, peer, buf.numel(), dense)
-                stats.wire_bytes += buf.numel() + HEADER_BYTES * len(rnd.sends[peer])
+                    out.append(_Send(True, peer, 0, _ready(buf)))
+                wire = buf.numel() + HEADER_BYTES * len(transfers)
+                stats.sent(peer, link, payload=buf.numel(), dense=dense, wire=wire)
                 continue
-            for i, msg in enumerate(messages(rnd.sends[peer], self.big_bytes)):
-                n = packed_size(msg)
+            msgs = messages(transfers, self.big_bytes)
+            for i, msg in enumerate(msgs):
                 off = offsets.get(("send", peer, i))
+                t = msg[0]
+                skey = ("slice", t.kind, t.src.local, t.src.offset, t.box)
                 if off is not None:
-                    send_ops.append((1, peer, i, self._packer(msg, off, n)))
+                    out.append(_Send(False, peer, i, self._packer(msg, off, packed_size(msg))))
+                elif (soff := offsets.get(skey)) is not None:
+                    out.append(_Send(False, peer, i, self._slice_packer(t, soff, skey, packed)))
                 else:
-                    t = msg[0]
-                    skey = ("slice", t.kind, t.src.local, t.src.offset, t.box)
-                    soff = offsets.get(skey)
-                    if soff is not None:
-                        send_ops.append((1, peer, i, self._slice_packer(t, soff, skey, packed)))
-                    else:
-                        buf = self._bytes_view(t, "src")
-                        send_ops.append((0, peer, i, lambda buf=buf: buf))
-                payload = sum(t.nbytes for t in msg)
-                self._count_send(stats, peer, payload, payload)
-                stats.wire_bytes += payload
-        if delta is not None and delta.snapshots is not None:
-            snapshot_dense(rnd, self._delta_peers, delta.snapshots, encoded, self._tensor, self.device)
+                    out.append(_Send(True, peer, i, _ready(self._bytes_view(t, "src"))))
+            stats.sent(peer, link, payload=dense, dense=dense, wire=dense, messages=len(msgs))
         if self.group.backend != "nccl":
             # Messages carry their index as tag, so gloo matches them in any order.
-            send_ops.sort(key=lambda x: x[0])
-        recvs = [r for r in recv_ops if r.buf is not None]
-        sums_in: dict[int, torch.Tensor] = {}
-        if self.checksums:
-            import torch
+            out.sort(key=lambda s: not s.zero_copy)
+        return out
 
-            counts: dict[int, int] = {}
-            for r in recvs:
-                counts[r.peer] = counts.get(r.peer, 0) + 1
-            for peer, n in sorted(counts.items()):
-                sums_in[peer] = torch.empty((n, 2), dtype=torch.int64, device=self.device)
-        keep: list = []
-        works = self._post(
-            [(r.buf, r.peer, r.tag) for r in recvs], [(p, i, make) for _, p, i, make in send_ops], sums_in, keep
-        )
-        if self._direct_in or self._direct_out:
-            self._read_direct(rnd, stats)
-        return _Pending(rnd, recv_ops, works, staging_bytes, sums_in, keep)
+    def _checksum_buffers(self, recvs: list[_Recv]) -> dict[int, torch.Tensor]:
+        """Per peer, the buffer its checksums of this round arrive in (one row
+        per message; ``checksums=True`` only)."""
+        if not self.checksums:
+            return {}
+        import torch
+
+        counts: dict[int, int] = {}
+        for r in recvs:
+            counts[r.peer] = counts.get(r.peer, 0) + 1
+        return {peer: torch.empty((n, 2), dtype=torch.int64, device=self.device) for peer, n in sorted(counts.items())}
 
     def _packer(self, msg: list[Transfer], off: int, n: int) -> Callable[[], torch.Tensor]:
         def pack() -> torch.Tensor:
@@ -560,7 +577,7 @@ class Executor:
 
     # -- posting and waiting ------------------------------------------------------
 
-    def _post(self, recvs: list, sends: list, sums_in: dict, keep: list) -> list:
+    def _post(self, recvs: list, sends: list[_Send], sums_in: dict, keep: list) -> list:
         """Post one round's receives and sends (one NCCL group); with checksums,
         each peer's checksum message follows its data messages."""
         if not recvs and not sends:
@@ -586,7 +603,7 @@ class Executor:
         for peer, buf in sums_in.items():
             works.append(pg.recv([buf], peer, buf.shape[0]))
         sums_out: dict[int, dict[int, torch.Tensor]] = {}
-        for peer, tag, make in sends:
+        for _, peer, tag, make in sends:
             buf = make()
             if self.checksums:
                 t0 = time.perf_counter()
@@ -686,7 +703,7 @@ class Executor:
                 why = group.cancelled() if group.cancelled is not None else None
                 if why:
                     raise self._error(f"cancelled: {why}")
-                msg = group.aborted(self.refit)
+                msg = group.aborted()
                 if msg is not None:
                     raise self._error(f"stopped: {msg}")
             if now >= deadline:

@@ -362,6 +362,21 @@ class RefitGroup:
         except MetadataError as e:
             raise RefitError(step, {self.rank: str(e)}) from e
 
+    def publish_once(self, key: str, msg: wire.Message, *, step: str) -> None:
+        """Put ``msg`` under ``key`` unless a rank already did (content-addressed
+        keys: a tensor table every rank of a side shares)."""
+        try:
+            present = self.store.check([key])
+        except Exception as e:
+            raise self._store_error(step, e) from e
+        if not present:
+            self.put(key, msg, step=step)
+
+    def wait_for(self, keys: list[str], *, step: str) -> list[str]:
+        """Wait, within the group's timeout, until every key exists (watching
+        for a rebuilt group and a cancel); the keys still missing then."""
+        return self._wait_keys(keys, time.monotonic() + self.config.timeout_s, step=step, watch_epoch=True)
+
     def _store_error(self, step: str, e: BaseException) -> RefitError:
         return RefitError(
             step,
@@ -498,7 +513,7 @@ class RefitGroup:
                     why = self.cancelled() if self.cancelled is not None else None
                     if why:
                         raise RefitError(step, {self.rank: f"cancelled: {why}"})
-                    if abort_grace is not None and not aborted and store.check([self.abort_key(0)]):
+                    if abort_grace is not None and not aborted and store.check([self.abort_key()]):
                         aborted = True
                         deadline = min(deadline, now + abort_grace)
                     if watch_epoch:
@@ -524,23 +539,24 @@ class RefitGroup:
         self.seq += 1
         return self.seq
 
-    def abort_key(self, refit: int) -> str:
-        """The abort key of the current refit (``refit`` is kept for callers;
-        keys follow :attr:`seq`)."""
-        del refit
+    def abort_key(self) -> str:
+        """The abort key of the refit in progress on this group: keys follow
+        :attr:`seq` (:meth:`begin`), not refit numbers, so a refit number
+        reused after a rejected refit gets a fresh key."""
         return f"abort/{self.seq}"
 
-    def signal_abort(self, refit: int, message: str) -> None:
-        """Tell every rank that the current refit failed (first message wins)."""
+    def signal_abort(self, message: str, *, refit: int = 0) -> None:
+        """Tell every rank that the refit in progress failed (first message
+        wins); ``refit``: its number, for the record."""
         # The store may be gone; then peers notice that themselves.
         with contextlib.suppress(Exception):
-            key = self.abort_key(refit)
+            key = self.abort_key()
             value = self.seal(key, wire.Status(rank=self.rank, step="abort", refit=refit, ok=False, error=message))
             self.store.compare_set(key, "", value)
 
-    def aborted(self, refit: int) -> str | None:
-        """Why the current refit was aborted, or ``None``."""
-        key = self.abort_key(refit)
+    def aborted(self) -> str | None:
+        """Why the refit in progress was aborted, or ``None``."""
+        key = self.abort_key()
         try:
             if not self.store.check([key]):
                 return None
@@ -575,7 +591,7 @@ class RefitGroup:
             with contextlib.suppress(Exception):
                 late = [int(k.rsplit("/", 1)[1]) for k in keys if not self.store.check([k])]
                 who = f"rank {late[0]}" if len(late) == 1 else f"ranks {span(late)}"
-                why = self.aborted(refit)
+                why = self.aborted()
                 text = f"{e.errors[self.rank]} while waiting for {who} to report step {step!r}"
                 e.errors[self.rank] = text + (f"; the refit was aborted by {why}" if why else "")
                 e.args = (str(RefitError(step, e.errors, version=refit)),)

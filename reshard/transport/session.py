@@ -32,10 +32,11 @@ Shared by :class:`reshard.Sender` (trainer ranks) and
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -203,17 +204,11 @@ class RefitSession:
         lay = self.layout
         if self.rank in ranks:
             digest = table_digest(lay.tensors)
-            try:
-                if not group.store.check([f"table/{digest}"]):
-                    group.put(f"table/{digest}", wire.Table(tensors=lay.tensors), step="layout")
-            except RefitError:
-                raise
-            except Exception as e:
-                raise group._store_error("layout", e) from e
+            group.publish_once(f"table/{digest}", wire.Table(tensors=lay.tensors), step="layout")
             msg = wire.RankLayout(rank=lay.rank, table=digest, locals=lay.locals, pieces=lay.pieces, grids=lay.grids)
             group.put(f"layout/{tag}/{self.rank}", msg, step="layout")
         keys = [f"layout/{tag}/{r}" for r in ranks]
-        missing = group._wait_keys(keys, time.monotonic() + cfg.timeout_s, step="layout", watch_epoch=True)
+        missing = group.wait_for(keys, step="layout")
         if missing:
             raise RefitError("layout", {self.rank: f"no layout from {missing} within {cfg.timeout_s}s"})
         tables: dict[str, tuple[TensorMeta, ...]] = {}
@@ -377,8 +372,47 @@ class RefitSession:
         values changed join as rounds complete (before ``after_round``)."""
         t0 = time.perf_counter()
         started_at = time.time()
+        with self._attempt(refit):
+            group = self._enter(refit)
+            enter_s = time.perf_counter() - t0
+            exports = self.exports.publish(group, self.config, self.tensors, self.device, lambda: self._planned()[0])
+            plan, statuses, agree_s = self._agree_plan(group, refit, destinations, exports)
+            plan_s = time.perf_counter() - t0 - enter_s - agree_s
+            delta = self._delta_run(group, plan, statuses) if group.config.delta else None
+            if delta is not None and touched is not None:
+                delta.touched = touched
+            exported = self.exports.needed(group, statuses, exports[0])
+            ex_stats, error = self._execute(
+                group, plan, refit, destinations, after_round, before_transfer, delta, exported
+            )
+            agree_s += enter_s + self._agree_outcome(group, refit, error)
+            self.last_refit = refit
+            if group.config.delta:
+                self._delta_done(group, plan, refit, destinations)
+            group.forget(group.seq - 1, ("enter", "plan", "transfer"))
+            assert ex_stats is not None
+            return RefitStats(
+                refit=refit,
+                rank=self.rank,
+                exec=ex_stats,
+                plan_seconds=plan_s,
+                agree_seconds=agree_s,
+                total_seconds=time.perf_counter() - t0,
+                round_bytes=self.round_bytes,
+                started_at=started_at,
+                finished_at=time.time(),
+                touched=frozenset(delta.touched) if delta is not None and not self.is_source else None,
+            )
+
+    @contextlib.contextmanager
+    def _attempt(self, refit: int) -> Iterator[None]:
+        """One refit's failure handling, the same for every method: a failed
+        refit voids the delta fencing of this rank (its snapshot or base no
+        longer follows its peers'), and drops the group unless every rank
+        rejected the refit alike before any byte moved (then the group is
+        clean and stays); a cancel holds for one refit."""
         try:
-            return self._refit(refit, destinations, after_round, before_transfer, t0, started_at, touched)
+            yield
         except RefitError as e:
             self.delta.void(f"refit {refit} failed here at step {e.step!r}")
             if e.step == "transfer" or not e.agreed:
@@ -390,7 +424,7 @@ class RefitSession:
             self._drop()
             raise
         finally:
-            self._cancelled = None  # a cancel is for one refit
+            self._cancelled = None
 
     def _local_problems(self, destinations: Mapping[str, torch.Tensor] | None) -> list[Problem]:
         """What is wrong with the local tensors of this refit (see :func:`check_locals`).
@@ -402,49 +436,22 @@ class RefitSession:
             return []
         return check_locals(self.layout, tensors, role="source" if self.is_source else "destination")
 
-    def _refit(
-        self, refit, destinations, after_round, before_transfer, t0: float, started_at: float, touched=None
-    ) -> RefitStats:
-        group = self._enter(refit)
-        agree_s = time.perf_counter() - t0
+    def _agree_plan(
+        self,
+        group: RefitGroup,
+        refit: int,
+        destinations: Mapping[str, torch.Tensor] | None,
+        exports: tuple[tuple[wire.Export, ...], str],
+    ) -> tuple[RankPlan, list[wire.Status], float]:
+        """Steps a/b: plan this rank and agree on the plan with every rank,
+        shrinking rounds until every rank's staging fits its budget (``exports``:
+        what this rank exports, and its digest). Returns the plan, every
+        rank's status and the time spent agreeing."""
         local = self._local_problems(destinations)
-        exports, exports_digest = self.exports.publish(
-            group, self.config, self.tensors, self.device, lambda: self._planned()[0]
-        )
-        # a/b. plan and agree; shrink rounds until every rank's staging fits its budget.
+        agree_s = 0.0
         for attempt in range(_PLAN_ATTEMPTS):
             step = "plan" if attempt == 0 else f"plan.{attempt}"
-            problems: tuple[Problem, ...] = tuple(local)
-            need = 0
-            links: tuple[dict, dict] = ({}, {})
-            delta_fields: dict = {}
-            try:
-                plan, links = self._planned()
-                capable = capable_pairs(group, plan)
-                need = staging_bound(plan, self.big_bytes, frozenset(capable))
-                if group.config.delta:
-                    delta_fields = self._delta_status(group, plan, destinations)
-                if group.no_wire:
-                    problems += no_wire_problems(group, plan, exports, self.exports.refused)
-            except PlanError as e:
-                problems += tuple(e.problems)
-            except Exception as e:
-                group.agree(
-                    step, refit, wire.Status(rank=self.rank, step=step, refit=refit, ok=False, error=f"planning: {e}")
-                )
-                raise
-            status = wire.Status(
-                rank=self.rank,
-                step=step,
-                refit=refit,
-                ok=not problems,
-                problems=problems,
-                staging_need=need,
-                sends=links[0],
-                recvs=links[1],
-                exports=exports_digest,
-                **delta_fields,
-            )
+            status = self._plan_status(group, refit, step, local, exports, destinations)
             ta = time.perf_counter()
             statuses = group.agree(step, refit, status)
             agree_s += time.perf_counter() - ta
@@ -463,22 +470,71 @@ class RefitSession:
                 raise RefitError("plan", dict.fromkeys(over, text), version=refit, agreed=True)
             self._replan(shrunk)
         check_links(statuses, refit)
-        plan_s = time.perf_counter() - t0 - agree_s
-        plan = self._planned()[0]
-        delta = self._delta_run(group, plan, statuses) if group.config.delta else None
-        if delta is not None and touched is not None:
-            delta.touched = touched
-        delta_dests = self._delta_tensors(destinations) if delta is not None else None
-        # c. execute.
-        ex_stats: ExecStats | None = None
-        error = ""
+        return self._planned()[0], statuses, agree_s
+
+    def _plan_status(
+        self,
+        group: RefitGroup,
+        refit: int,
+        step: str,
+        local: list[Problem],
+        exports: tuple[tuple[wire.Export, ...], str],
+        destinations: Mapping[str, torch.Tensor] | None,
+    ) -> wire.Status:
+        """This rank's status for plan step ``step``: its problems, or its
+        staging need, per-peer message summary and delta fields. A planning
+        failure that is no plan problem is reported to every rank, then raised."""
+        problems: tuple[Problem, ...] = tuple(local)
+        need = 0
+        links: tuple[dict, dict] = ({}, {})
+        delta_fields: dict = {}
+        try:
+            plan, links = self._planned()
+            capable = capable_pairs(group, plan)
+            need = staging_bound(plan, self.big_bytes, frozenset(capable))
+            if group.config.delta:
+                delta_fields = self._delta_status(group, plan, destinations)
+            if group.no_wire:
+                problems += no_wire_problems(group, plan, exports[0], self.exports.refused)
+        except PlanError as e:
+            problems += tuple(e.problems)
+        except Exception as e:
+            failed = wire.Status(rank=self.rank, step=step, refit=refit, ok=False, error=f"planning: {e}")
+            group.agree(step, refit, failed)
+            raise
+        return wire.Status(
+            rank=self.rank,
+            step=step,
+            refit=refit,
+            ok=not problems,
+            problems=problems,
+            staging_need=need,
+            sends=links[0],
+            recvs=links[1],
+            exports=exports[1],
+            **delta_fields,
+        )
+
+    def _execute(
+        self,
+        group: RefitGroup,
+        plan: RankPlan,
+        refit: int,
+        destinations: Mapping[str, torch.Tensor] | None,
+        after_round: Callable[[int], None] | None,
+        before_transfer: Callable[[RankPlan], None] | None,
+        delta: DeltaRun | None,
+        exported: Mapping[int, Mapping[str, wire.Export]],
+    ) -> tuple[ExecStats | None, str]:
+        """Step c: run this rank's rounds (``exported``: the colocated senders'
+        exports it reads). Returns its stats, or the error that stopped it
+        (every rank is told at once, so peers stop waiting on it)."""
         progress = Progress(refit, plan) if wants_progress(self.progress, self.rank) else None
         if progress is not None:
             after_round = _chain(progress, after_round)
         try:
             if before_transfer is not None:
                 before_transfer(plan)
-            exported = self.exports.needed(group, statuses, exports)
             ex = Executor(
                 group,
                 plan,
@@ -493,48 +549,39 @@ class RefitSession:
                 exports=exported,
                 delta=delta,
             )
-            ex_stats = ex.run()
+            return ex.run(), ""
         except RefitError as e:
             error = e.errors.get(self.rank, str(e))
-            group.signal_abort(refit, error)
         except Exception as e:
             error = f"{type(e).__name__}: {e}"
-            group.signal_abort(refit, error)
         finally:
             if progress is not None:
                 progress.close()
-        # d. agree on the outcome. After an abort every live rank reaches this
-        # point within a few polls, so ranks still missing are dead: wait less.
+        group.signal_abort(error, refit=refit)
+        return None, error
+
+    def _agree_outcome(self, group: RefitGroup, refit: int, error: str) -> float:
+        """Step d: every rank learns whether all finished (raises on every rank
+        if one did not). After an abort every live rank reaches this point
+        within a few polls, so ranks still missing are dead: wait less.
+        Returns the time it took."""
         ta = time.perf_counter()
         grace = min(self.config.timeout_s, ABORT_GRACE_S) if error else None
-        group.agree(
-            "transfer",
-            refit,
-            wire.Status(rank=self.rank, step="transfer", refit=refit, ok=not error, error=error),
-            timeout_s=grace,
-        )
-        agree_s += time.perf_counter() - ta
-        self.last_refit = refit
-        if group.config.delta:
-            self.delta.base, self.delta.note = refit, ""
-            if self.delta.snapshots is not None:
-                self.delta.snapshots.digest_later()
-            elif self.delta.private and delta_dests is not None:
-                self.delta.digest_later(group, plan, delta_dests)
-        group.forget(group.seq - 1, ("enter", "plan", "transfer"))
-        assert ex_stats is not None
-        return RefitStats(
-            refit=refit,
-            rank=self.rank,
-            exec=ex_stats,
-            plan_seconds=plan_s,
-            agree_seconds=agree_s,
-            total_seconds=time.perf_counter() - t0,
-            round_bytes=self.round_bytes,
-            started_at=started_at,
-            finished_at=time.time(),
-            touched=frozenset(delta.touched) if delta is not None and not self.is_source else None,
-        )
+        status = wire.Status(rank=self.rank, step="transfer", refit=refit, ok=not error, error=error)
+        group.agree("transfer", refit, status, timeout_s=grace)
+        return time.perf_counter() - ta
+
+    def _delta_done(
+        self, group: RefitGroup, plan: RankPlan, refit: int, destinations: Mapping[str, torch.Tensor] | None
+    ) -> None:
+        """A refit succeeded on every rank: it is the base of the next delta,
+        and the digests of what this rank sent (or holds) are taken now, in
+        the background, for the next plan step."""
+        self.delta.base, self.delta.note = refit, ""
+        if self.delta.snapshots is not None:
+            self.delta.snapshots.digest_later()
+        elif self.delta.private and (dests := self._delta_tensors(destinations)) is not None:
+            self.delta.digest_later(group, plan, dests)
 
     def _delta_tensors(self, destinations: Mapping[str, torch.Tensor] | None) -> Mapping[str, torch.Tensor] | None:
         """A destination's base: the tensors this refit writes (``None``: a source, or materialized lazily)."""
@@ -578,7 +625,7 @@ class RefitSession:
         self._cancelled = reason
         group = self.group
         if reason and group is not None:
-            group.signal_abort(0, f"rank {self.rank} cancelled the refit: {reason}")
+            group.signal_abort(f"rank {self.rank} cancelled the refit: {reason}")
 
     def _budget(self, rank: int) -> int:
         return self.budgets.get(rank) or DEFAULT_BUDGET_BYTES
@@ -589,7 +636,9 @@ class RefitSession:
         """Refit ``refit`` by gather-and-broadcast (see :mod:`reshard.transport.baseline`)."""
         t0 = time.perf_counter()
         started_at = time.time()
-        try:
+        # Gather-and-broadcast leaves snapshots behind what receivers hold.
+        self.delta.void(f"refit {refit} is a gather-and-broadcast")
+        with self._attempt(refit):
             group = self._enter(refit)
             # Buckets must cut alike on every rank: the smallest budget of any rank.
             bucket_bytes = bucket_bytes or min(self.budgets.values(), default=0) or self.budget_bytes
@@ -602,17 +651,6 @@ class RefitSession:
                 broadcast_groups=self.broadcast_groups,
                 bucket_bytes=bucket_bytes,
             )
-        except RefitError as e:
-            if e.step == "transfer" or not e.agreed:
-                self._drop()
-            raise
-        except BaseException:
-            self._drop()
-            raise
-        finally:
-            self._cancelled = None
-            # Gather-and-broadcast leaves snapshots behind what receivers hold.
-            self.delta.void(f"refit {refit} was a gather-and-broadcast")
         self.last_refit = refit
         return RefitStats(
             refit=refit,

@@ -79,7 +79,7 @@ class ShmLinks:
             why = group.cancelled() if group.cancelled is not None else None
             if why:
                 raise self._error(f"cancelled: {why}")
-            msg = group.aborted(self.refit)
+            msg = group.aborted()
             if msg is not None:
                 raise self._error(f"stopped: {msg}")
 

@@ -62,6 +62,30 @@ class ExecStats:
     delta_seconds: float = 0.0
     """Time spent encoding (sender) or applying (receiver) deltas."""
 
+    def received(
+        self, peer: int, link: str, *, payload: int, dense: int, wire: int, landed: int, messages: int = 1
+    ) -> None:
+        """Count what arrived from ``peer`` over ``link``: ``payload`` bytes
+        in ``messages`` messages (none when the payload is empty), standing
+        for ``dense`` bytes of a dense refit, ``wire`` bytes on the wire
+        (delta headers included), ``landed`` bytes written into local tensors."""
+        self.messages_received += messages if payload else 0
+        self.bytes_received += payload
+        self.recv_by_peer[peer] = self.recv_by_peer.get(peer, 0) + payload
+        self.recv_by_link[link] = self.recv_by_link.get(link, 0) + payload
+        self.dense_bytes += dense
+        self.wire_bytes += wire
+        self.bytes_landed += landed
+
+    def sent(self, peer: int, link: str, *, payload: int, dense: int, wire: int, messages: int = 1) -> None:
+        """Count what left for ``peer`` over ``link`` (see :meth:`received`)."""
+        self.messages_sent += messages if payload else 0
+        self.bytes_sent += payload
+        self.send_by_peer[peer] = self.send_by_peer.get(peer, 0) + payload
+        self.send_by_link[link] = self.send_by_link.get(link, 0) + payload
+        self.dense_bytes += dense
+        self.wire_bytes += wire
+
     def as_dict(self) -> dict:
         return {k: getattr(self, k) for k in self.__slots__}
 
