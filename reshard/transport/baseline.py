@@ -133,7 +133,9 @@ def gather_broadcast(
         problems = tuple(e.problems)
     if group.no_wire:
         problems += (Problem(kind="link", message=f"gather-and-broadcast needs a process group: {group.no_wire}"),)
-    group.agree("plan", refit, wire.Status(rank=rank, step="plan", refit=refit, ok=not problems, problems=problems))
+    group.agree(
+        "plan", refit, wire.Status(rank=rank, step="plan", refit=refit, ok=not problems, problems=problems), peers=()
+    )
 
     stats = ExecStats(rank=rank)
     t0 = time.perf_counter()
@@ -177,7 +179,9 @@ def gather_broadcast(
         error = f"{type(e).__name__}: {e}"
         group.signal_abort(error, refit=refit)
     stats.seconds = time.perf_counter() - t0
-    group.agree("transfer", refit, wire.Status(rank=rank, step="transfer", refit=refit, ok=not error, error=error))
+    group.agree(
+        "transfer", refit, wire.Status(rank=rank, step="transfer", refit=refit, ok=not error, error=error), peers=()
+    )
     stats.dense_bytes = stats.wire_bytes = stats.bytes_sent + stats.bytes_received
     return stats
 

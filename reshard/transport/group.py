@@ -38,11 +38,12 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import hashlib
 import logging
 import os
 import socket
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -70,6 +71,15 @@ _WATCH_S = 0.1
 ABORT_GRACE_S = 10.0
 """After an abort, how long an agreement waits for the other ranks' statuses."""
 _SEAL_OVERHEAD = 64
+
+
+class Statuses(list):
+    """The statuses an agreement read, ordered by rank: every rank's
+    (``everyone``), or only the peers' the caller named."""
+
+    def __init__(self, statuses: Iterable[wire.Status] = (), *, everyone: bool = True) -> None:
+        super().__init__(statuses)
+        self.everyone = everyone
 
 
 class EpochMoved(RefitError):
@@ -107,6 +117,8 @@ class RefitGroup:
     """Why this group has no process group, so that every byte must move
     by CUDA IPC (two ranks on one GPU); empty: it has one (or is closed)."""
     _shm_seq: dict[tuple[int, int], tuple[int, int]] = field(default_factory=dict)
+    _steps: dict[int, list[str]] = field(default_factory=dict)
+    """Steps agreed on per refit (:attr:`seq`), whose keys :meth:`forget` deletes."""
 
     # -- joining -------------------------------------------------------------
 
@@ -490,7 +502,26 @@ class RefitGroup:
         abort_grace: float | None = None,
         watch_epoch: bool = False,
     ) -> list[str]:
-        """Wait until every key exists; return the missing ones at the deadline.
+        """Wait until every key exists; return the missing ones at the deadline
+        (see :meth:`_wait`)."""
+        store = self.store
+        if self._wait(lambda: store.check(keys), deadline, step=step, abort_grace=abort_grace, watch_epoch=watch_epoch):
+            return []
+        try:
+            return [k for k in keys if not store.check([k])]
+        except Exception as e:
+            raise self._store_error(step, e) from e
+
+    def _wait(
+        self,
+        done: Callable[[], bool],
+        deadline: float,
+        *,
+        step: str,
+        abort_grace: float | None = None,
+        watch_epoch: bool = False,
+    ) -> bool:
+        """Poll ``done()`` (a store read) until it holds; ``False`` at the deadline.
 
         With ``abort_grace``, an abort of the current refit shortens the wait
         to that many seconds (the other ranks post their status right after
@@ -505,8 +536,8 @@ class RefitGroup:
         aborted = False
         try:
             while True:
-                if store.check(keys):
-                    return []
+                if done():
+                    return True
                 now = time.monotonic()
                 if now >= next_watch:
                     next_watch = now + _WATCH_S
@@ -522,7 +553,7 @@ class RefitGroup:
                             text = f"the refit group was rebuilt by another rank (epoch {self.epoch} -> {epoch})"
                             raise EpochMoved(step, {self.rank: text})
                 if now >= deadline:
-                    return [k for k in keys if not store.check([k])]
+                    return False
                 # Polling, not store.wait: a timed-out wait logs a warning each time.
                 time.sleep(pause)
                 pause = min(pause * 1.5, fast if now - started < _POLL_FAST_S else _POLL_MAX_S)
@@ -570,22 +601,64 @@ class RefitGroup:
         assert isinstance(s, wire.Status)
         return f"rank {s.rank}: {s.error}"
 
-    def agree(self, step: str, refit: int, status: wire.Status, *, timeout_s: float | None = None) -> list[wire.Status]:
-        """Post this rank's status for ``step`` and return every rank's.
+    def agree(
+        self,
+        step: str,
+        refit: int,
+        status: wire.Status,
+        *,
+        timeout_s: float | None = None,
+        peers: Iterable[int] | None = None,
+        common: bytes | None = None,
+        slow: bool = False,
+    ) -> Statuses:
+        """Post this rank's status for ``step`` and return every rank's, or,
+        when nothing needs them, only those of ``peers`` (and this rank's).
+
+        Every rank posts its status, then counts itself in (one counter per
+        step); each waits for the count to reach the world, polling that one
+        key. A rank whose status is not ok, whose ``common`` (values every
+        rank must hold alike) differs from the first rank's, or that asks
+        for it (``slow``), marks the step before it counts in; then every
+        rank reads every status, as it does when a rank does not count in in
+        time. Otherwise each reads only its ``peers``' statuses (``None``:
+        all), so what a rank reads and writes grows with its peers, not with
+        the world. :attr:`Statuses.everyone` tells the two apart (the same on
+        every rank).
 
         Raises :class:`RefitError` on every rank if any rank reported an error,
         or if a rank does not report within ``timeout_s`` (default: the group's
-        timeout; after an abort, :data:`ABORT_GRACE_S`); otherwise returns all
-        statuses (ordered by rank). The error is ``agreed`` when every rank
-        reported: all ranks raise the same error and the group stays usable.
+        timeout; after an abort, :data:`ABORT_GRACE_S`); otherwise returns the
+        statuses read (ordered by rank). The error is ``agreed`` when every
+        rank reported: all ranks raise the same error and the group stays usable.
         """
-        prefix = f"status/{self.seq}/{step}"
+        tag = f"{self.seq}/{step}"
+        prefix = f"status/{tag}"
+        self._steps.setdefault(self.seq, []).append(step)
         self.put(f"{prefix}/{self.rank}", status, step=step)
+        try:
+            slow = slow or not status.ok
+            if common is not None:
+                mine = hashlib.blake2b(common, digest_size=16).hexdigest()
+                first = bytes(self.store.compare_set(f"common/{tag}", "", mine)).decode(errors="replace")
+                slow = slow or first != mine
+            if slow:
+                self.store.append(f"slow/{tag}", f"{self.rank},")
+            self.store.add(f"count/{tag}", 1)
+        except Exception as e:
+            raise self._store_error(step, e) from e
         keys = [f"{prefix}/{r}" for r in range(self.world_size)]
         wait = self.config.timeout_s if timeout_s is None else timeout_s
         grace = min(self.config.timeout_s, ABORT_GRACE_S)
+        counter = f"count/{tag}"
         try:
-            missing = self._wait_keys(keys, time.monotonic() + wait, step=step, abort_grace=grace, watch_epoch=True)
+            counted = self._wait(
+                lambda: int(self.store.add(counter, 0)) >= self.world_size,
+                time.monotonic() + wait,
+                step=step,
+                abort_grace=grace,
+                watch_epoch=True,
+            )
         except EpochMoved as e:
             # Say what this rank was waiting for (a dead rank, usually).
             with contextlib.suppress(Exception):
@@ -596,7 +669,13 @@ class RefitGroup:
                 e.errors[self.rank] = text + (f"; the refit was aborted by {why}" if why else "")
                 e.args = (str(RefitError(step, e.errors, version=refit)),)
             raise
-        present = [k for k in keys if k not in missing]
+        try:
+            everyone = not counted or peers is None or self.store.check([f"slow/{tag}"])
+            missing = [] if counted else [k for k in keys if not self.store.check([k])]
+        except Exception as e:
+            raise self._store_error(step, e) from e
+        wanted = keys if everyone else [f"{prefix}/{r}" for r in sorted({self.rank, *(peers or ())})]
+        present = [k for k in wanted if k not in missing]
         try:
             values = self.store.multi_get(present) if present else []
         except Exception as e:
@@ -623,13 +702,19 @@ class RefitGroup:
             )
         if errors:
             raise RefitError(step, errors, version=refit, agreed=not missing)
-        return sorted(statuses, key=lambda s: s.rank)
+        return Statuses(sorted(statuses, key=lambda s: s.rank), everyone=everyone)
 
-    def forget(self, seq: int, steps: tuple[str, ...]) -> None:
-        """Delete this rank's status keys of refit ``seq`` on this group (keeps the store small)."""
-        for step in steps:
+    def forget(self, seq: int) -> None:
+        """Delete this rank's status keys of refit ``seq`` on this group (keeps
+        the store small); rank 0 also deletes the step counters. Call it once
+        every rank is past refit ``seq`` (it entered a later one): a rank
+        still waiting on a deleted counter would wait for ever."""
+        for step in self._steps.pop(seq, ()):
             with contextlib.suppress(Exception):
                 self.store.delete_key(f"status/{seq}/{step}/{self.rank}")
+                if self.rank == 0:
+                    for kind in ("count", "common", "slow"):
+                        self.store.delete_key(f"{kind}/{seq}/{step}")
 
     # -- teardown -------------------------------------------------------------
 

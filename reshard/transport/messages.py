@@ -38,6 +38,7 @@ __all__ = [
     "describe",
     "is_contiguous_slice",
     "landed",
+    "link_problem",
     "link_summary",
     "local_view",
     "messages",
@@ -231,10 +232,25 @@ def check_links(statuses: list[wire.Status], refit: int) -> None:
     """Every message a plan sends is one its receiver's plan expects, with the
     same size (checked by every rank on the same statuses, before any byte
     moves: a receive never gets fewer or more bytes than it posted)."""
+    bad = _link_errors(statuses, None)
+    if bad:
+        raise RefitError("plan", bad, version=refit, agreed=True)
+
+
+def link_problem(statuses: list[wire.Status], refit: int, rank: int) -> str:
+    """What :func:`check_links` finds wrong between ``rank`` and its peers,
+    from their statuses alone (``""``: nothing)."""
+    return next(iter(_link_errors(statuses, rank).values()), "")
+
+
+def _link_errors(statuses: list[wire.Status], rank: int | None) -> dict[int, str]:
+    """Per rank, a pair of plans that disagree (``rank``: only its pairs)."""
     by_rank = {s.rank: s for s in statuses}
     bad: dict[int, str] = {}
     for s in statuses:
         for peer in sorted(set(s.sends) | {r for r, o in by_rank.items() if s.rank in o.recvs}):
+            if rank is not None and rank not in (s.rank, peer):
+                continue
             mine = s.sends.get(peer)
             other = by_rank.get(peer)
             theirs = other.recvs.get(s.rank) if other is not None else None
@@ -250,5 +266,4 @@ def check_links(statuses: list[wire.Status], refit: int) -> None:
             )
             bad.setdefault(s.rank, text)
             bad.setdefault(peer, text)
-    if bad:
-        raise RefitError("plan", bad, version=refit, agreed=True)
+    return bad

@@ -40,6 +40,8 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import msgspec
+
 from reshard.errors import MetadataError, PlanError, Problem, RefitError, span
 from reshard.plan.checks import check_locals
 from reshard.plan.index import LayoutSet, gc_paused
@@ -54,7 +56,14 @@ from reshard.transport.execute import Executor
 from reshard.transport.exports import SessionExports
 from reshard.transport.group import ABORT_GRACE_S, EpochMoved, GroupConfig, RefitGroup
 from reshard.transport.links import no_wire_problems
-from reshard.transport.messages import BIG_BYTES, DEFAULT_BUDGET_BYTES, check_links, link_summary, staging_bound
+from reshard.transport.messages import (
+    BIG_BYTES,
+    DEFAULT_BUDGET_BYTES,
+    check_links,
+    link_problem,
+    link_summary,
+    staging_bound,
+)
 from reshard.transport.progress import Progress, wants_progress
 from reshard.transport.stats import ExecStats, RefitStats
 
@@ -307,6 +316,7 @@ class RefitSession:
             if entry.plan is None:
                 entry.plan = entry.planner.plan_for(self.rank)
                 entry.links = link_summary(entry.plan, self.big_bytes)
+                entry.peers = tuple(sorted({p for rnd in entry.plan.rounds for p in (*rnd.sends, *rnd.recvs)}))
                 self.plans_made += 1
             self._plan, self._links = entry.plan, entry.links
         return self._plan, self._links
@@ -332,12 +342,21 @@ class RefitSession:
                 status = wire.Status(
                     rank=self.rank, step="enter", refit=refit, ok=True, last_refit=self.last_refit, layout=self._digest
                 )
-                statuses = group.agree("enter", refit, status)
+                statuses = group.agree("enter", refit, status, peers=(), common=self._enter_common(refit))
                 break
             except EpochMoved:
                 self._drop()
         else:
             raise RefitError("enter", {self.rank: f"the refit group was rebuilt {_REJOINS} times while entering"})
+        # Every rank is past the previous refit on this group: its keys can go.
+        group.forget(group.seq - 1)
+        if not statuses.everyone:
+            # Every rank holds this rank's refit number, last refit and view of
+            # every layout (the agreement compared them): no layout changed.
+            self._newest = self.last_refit
+            if refit <= self.last_refit:
+                raise self._stale(refit, self.last_refit, list(range(self.config.world_size)))
+            return group
         numbers: dict[int, list[int]] = {}
         for s in statuses:
             numbers.setdefault(s.refit, []).append(s.rank)
@@ -349,14 +368,25 @@ class RefitSession:
         newest = max(s.last_refit for s in statuses)
         self._newest = newest
         if refit <= newest:
-            holders = [s.rank for s in statuses if s.last_refit == newest]
-            text = (
-                f"refit {refit} is stale or replayed: refit {newest} already succeeded on rank(s) {span(holders)}; "
-                "refit numbers must strictly increase (nothing was sent)"
-            )
-            raise RefitError("version", dict.fromkeys(holders, text), version=refit, agreed=True)
+            raise self._stale(refit, newest, [s.rank for s in statuses if s.last_refit == newest])
         self._reread_layouts(group, statuses)
         return group
+
+    def _enter_common(self, refit: int) -> bytes:
+        """What every rank must hold alike to enter ``refit`` without reading
+        the others' statuses: the refit number, the last refit that
+        succeeded, and every rank's layout digest (this rank's own current one)."""
+        view = [self._read.get(r, "") for r in range(self.config.world_size)]
+        view[self.rank] = self._digest
+        return msgspec.msgpack.encode((refit, self.last_refit, view))
+
+    @staticmethod
+    def _stale(refit: int, newest: int, holders: list[int]) -> RefitError:
+        text = (
+            f"refit {refit} is stale or replayed: refit {newest} already succeeded on rank(s) {span(holders)}; "
+            "refit numbers must strictly increase (nothing was sent)"
+        )
+        return RefitError("version", dict.fromkeys(holders, text), version=refit, agreed=True)
 
     def refit(
         self,
@@ -389,7 +419,6 @@ class RefitSession:
             self.last_refit = refit
             if group.config.delta:
                 self._delta_done(group, plan, refit, destinations)
-            group.forget(group.seq - 1, ("enter", "plan", "transfer"))
             assert ex_stats is not None
             return RefitStats(
                 refit=refit,
@@ -453,7 +482,11 @@ class RefitSession:
             step = "plan" if attempt == 0 else f"plan.{attempt}"
             status = self._plan_status(group, refit, step, local, exports, destinations)
             ta = time.perf_counter()
-            statuses = group.agree(step, refit, status)
+            # Over its budget, a rank makes every rank read every status: the
+            # smaller rounds are one decision from every rank's need.
+            over_budget = status.staging_need > self._budget(self.rank)
+            peers = self._cached().peers if status.ok else ()
+            statuses = group.agree(step, refit, status, peers=peers, slow=over_budget)
             agree_s += time.perf_counter() - ta
             over = {s.rank: s.staging_need for s in statuses if s.staging_need > self._budget(s.rank)}
             if not over:
@@ -469,7 +502,19 @@ class RefitSession:
                 )
                 raise RefitError("plan", dict.fromkeys(over, text), version=refit, agreed=True)
             self._replan(shrunk)
-        check_links(statuses, refit)
+        if statuses.everyone:
+            check_links(statuses, refit)
+        else:
+            # This rank checks its own pairs with its peers' statuses; every
+            # rank learns the outcome in one more (counted) agreement.
+            ta = time.perf_counter()
+            bad = link_problem(statuses, refit, self.rank)
+            status = wire.Status(rank=self.rank, step="links", refit=refit, ok=not bad, error=bad)
+            try:
+                group.agree("links", refit, status, peers=())
+            except RefitError as e:
+                raise RefitError("plan", e.errors, version=refit, agreed=e.agreed) from e
+            agree_s += time.perf_counter() - ta
         return self._planned()[0], statuses, agree_s
 
     def _plan_status(
@@ -568,7 +613,7 @@ class RefitSession:
         ta = time.perf_counter()
         grace = min(self.config.timeout_s, ABORT_GRACE_S) if error else None
         status = wire.Status(rank=self.rank, step="transfer", refit=refit, ok=not error, error=error)
-        group.agree("transfer", refit, status, timeout_s=grace)
+        group.agree("transfer", refit, status, timeout_s=grace, peers=())
         return time.perf_counter() - ta
 
     def _delta_done(
@@ -699,3 +744,5 @@ class _Planned:
     planner: Planner
     plan: RankPlan | None = None
     links: tuple[dict, dict] = ({}, {})
+    peers: tuple[int, ...] = ()
+    """The ranks this rank's plan sends to or receives from."""
