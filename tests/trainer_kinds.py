@@ -25,13 +25,13 @@ cut through rows."""
 
 DEEPSPEED = ("zero1", "zero2", "zero3", "zero3_offload", "zero3_autoep1", "zero3_autoep2", "accelerate_zero3")
 FSDP1 = ("fsdp1_orig", "fsdp1_flat", "fsdp1_mesh", "accelerate_fsdp1")
-KINDS = (*DEEPSPEED, *FSDP1, "ddp")
+KINDS = (*DEEPSPEED, *FSDP1, "ddp", "fsdp2")
 LR = 1e-2
 
 
 def trainer_dtype(kind: str) -> str:
     """The dtype the trainer keeps its weights in (what it publishes)."""
-    return "float32" if kind in ("fsdp1_orig", "fsdp1_mesh", "accelerate_fsdp1", "ddp") else "bfloat16"
+    return "float32" if kind in ("fsdp1_orig", "fsdp1_mesh", "accelerate_fsdp1", "ddp", "fsdp2") else "bfloat16"
 
 
 _AUTOEP_PRESETS = {"qwen2_moe": "qwen3_moe"}
@@ -103,15 +103,20 @@ def _add_temperature(model) -> None:
 
 class Trainer:
     """One rank of a trainer of ``kind`` on the checkpoint at ``path``:
-    ``model`` is what the user hands ``Sender`` (the engine or wrapper)."""
+    ``model`` is what the user hands ``Sender`` (the engine or wrapper).
+    ``lora``: the model is a PEFT LoRA policy of this ``LoraConfig``
+    (keywords), wrapped before the trainer wraps it, as TRL and Accelerate
+    do; its B factors start from seeded noise, not zero, so the merged
+    weights differ from the base from the first refit on."""
 
-    def __init__(self, rank: int, world: int, pg_port: int, kind: str, path: str) -> None:
+    def __init__(self, rank: int, world: int, pg_port: int, kind: str, path: str, *, lora: dict | None = None) -> None:
         import torch
 
         if kind not in KINDS:
             raise ValueError(f"unknown trainer kind {kind!r}")
         _env(rank, world, pg_port)
         self.rank, self.world, self.kind, self.path = rank, world, kind, path
+        self.lora = lora
         dtype = getattr(torch, trainer_dtype(kind))
         g = torch.Generator().manual_seed(100 + rank)
         self.batch = torch.randint(4, 500, (2, 12), generator=g)
@@ -125,10 +130,29 @@ class Trainer:
 
     # -- building ------------------------------------------------------------------
 
+    def _load(self, dtype) -> Any:
+        """The checkpoint, as a PEFT policy when ``lora`` says so."""
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(self.path, dtype=dtype)
+        if self.lora is None:
+            return model
+        import torch
+        from peft import LoraConfig, get_peft_model
+
+        # DeepSpeed keeps one dtype for every trainable parameter: adapters in
+        # the model's dtype there (PEFT's default upcasts them to float32).
+        model = get_peft_model(model, LoraConfig(**self.lora), autocast_adapter_dtype=self.kind not in DEEPSPEED)
+        g = torch.Generator().manual_seed(7)
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                if ".lora_B." in n or ".lora_embedding_B." in n:
+                    p.copy_(torch.randn(p.shape, generator=g).to(p.dtype) * 0.05)
+        return model
+
     def _deepspeed(self, dtype) -> None:
         import deepspeed
         import torch
-        from transformers import AutoModelForCausalLM
 
         ds_cfg = _ds_config(self.kind, _model_type(self.path))
         if self.kind == "accelerate_zero3":
@@ -138,7 +162,7 @@ class Trainer:
             os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"
             self.acc = Accelerator(deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=ds_cfg, zero3_init_flag=True))
             # from_pretrained under accelerate's ZeRO-3 plugin builds the model in zero.Init.
-            model = AutoModelForCausalLM.from_pretrained(self.path, dtype=dtype)
+            model = self._load(dtype)
             _add_temperature(model)
             opt = torch.optim.AdamW(model.parameters(), lr=LR)
             self.model, self.opt = self.acc.prepare(model, opt)
@@ -149,9 +173,9 @@ class Trainer:
 
             # transformers builds the model in zero.Init while this object lives.
             self._keep.append(HfDeepSpeedConfig(ds_cfg))
-        model = AutoModelForCausalLM.from_pretrained(self.path, dtype=dtype)
+        model = self._load(dtype)
         if self.kind in ("zero3", "zero3_offload"):
-            assert hasattr(model.model.embed_tokens.weight, "ds_id"), "zero.Init did not partition the model"
+            assert hasattr(model.get_input_embeddings().weight, "ds_id"), "zero.Init did not partition the model"
         if self.kind.startswith("zero3") and "autoep" not in self.kind:
             _add_temperature(model)
         opt = torch.optim.AdamW(model.parameters(), lr=LR)
@@ -162,7 +186,6 @@ class Trainer:
         import torch.distributed as dist
         from accelerate import Accelerator
         from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
-        from transformers import AutoModelForCausalLM
 
         dist.init_process_group("gloo", rank=self.rank, world_size=self.world)
         plugin = FullyShardedDataParallelPlugin(
@@ -177,7 +200,7 @@ class Trainer:
         # with device_id=cpu, as on a GPU with device_id=cuda:i).
         self.acc.state.distributed_type = DistributedType.FSDP
         self.acc.state.fsdp_plugin = plugin
-        model = AutoModelForCausalLM.from_pretrained(self.path, dtype=dtype)
+        model = self._load(dtype)
         opt = torch.optim.AdamW(model.parameters(), lr=LR)
         self.model, self.opt = self.acc.prepare(model, opt)
         assert type(self.model).__name__ == "FullyShardedDataParallel", type(self.model)
@@ -185,12 +208,22 @@ class Trainer:
     def _torch(self, dtype) -> None:
         import torch
         import torch.distributed as dist
-        from transformers import AutoModelForCausalLM
 
         dist.init_process_group("gloo", rank=self.rank, world_size=self.world)
-        model = AutoModelForCausalLM.from_pretrained(self.path, dtype=dtype)
+        model = self._load(dtype)
         if self.kind == "ddp":
             self.model = torch.nn.parallel.DistributedDataParallel(model)
+        elif self.kind == "fsdp2":
+            from torch.distributed.device_mesh import init_device_mesh
+            from torch.distributed.fsdp import fully_shard
+
+            from tests.trainers import decoder_layers
+
+            mesh = init_device_mesh("cpu", (self.world,))
+            for layer in decoder_layers(model):
+                fully_shard(layer, mesh=mesh)
+            fully_shard(model, mesh=mesh)
+            self.model = model
         else:
             from torch.distributed.fsdp import FullyShardedDataParallel, MixedPrecision
             from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
@@ -198,13 +231,20 @@ class Trainer:
             from tests.trainers import decoder_layers
 
             layer_cls = type(decoder_layers(model)[0])
+            policy = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={layer_cls})
+            if self.lora is not None:
+                from peft.utils.other import fsdp_auto_wrap_policy
+
+                # As Accelerate wraps a PEFT model: the LoRA modules in units of their own.
+                policy = fsdp_auto_wrap_policy(model)
             kwargs: dict[str, Any] = dict(
-                auto_wrap_policy=functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={layer_cls}),
+                auto_wrap_policy=policy,
                 use_orig_params=self.kind == "fsdp1_orig",
                 device_id=torch.device("cpu"),
             )
-            if self.kind in ("fsdp1_orig", "fsdp1_mesh"):
-                # Computes in bf16, keeps (and publishes) float32.
+            if self.kind in ("fsdp1_orig", "fsdp1_mesh") and self.lora is None:
+                # Computes in bf16, keeps (and publishes) float32 (a LoRA
+                # policy computes in float32: its adapters keep float32).
                 kwargs["mixed_precision"] = MixedPrecision(param_dtype=torch.bfloat16)
             if self.kind == "fsdp1_mesh":
                 from torch.distributed.device_mesh import init_device_mesh
@@ -249,6 +289,8 @@ class Trainer:
 
             with deepspeed.zero.GatheredParameters([p for _, p in params]):
                 full = {n: p.detach().clone() for n, p in params}
+        elif self.kind == "fsdp2":
+            full = {n: p.full_tensor().detach().clone() for n, p in params}
         else:
             full = {n: p.detach().clone() for n, p in params}
         for mname, mod in module.named_modules():  # persistent buffers: whole on every rank

@@ -130,7 +130,8 @@ class Sender:
         # Local tensors are checked against the layout at every push, where a
         # problem reaches every rank of the refit instead of only this one.
         if device is None:
-            device = next(iter(tensors.values())).device if tensors else "cpu"
+            # (A mapping that computes its tensors says where they live.)
+            device = getattr(tensors, "device", None) or (next(iter(tensors.values())).device if tensors else "cpu")
         self.rank = rank
         self.layout = layout
         self.engine_stats: list[EngineStats] = []

@@ -57,6 +57,12 @@ class ReadContext:
     model_type: str | None
     include_buffers: bool
     source_rank_of: Callable[[int], int] | None
+    unwrap: Callable[[Any], tuple[Any, list[str]]] | None = None
+    """The model inside a source's wrappers, and the wrappers' names."""
+    inner: Callable[[Any, Callable[[str], str | None] | None], Description] | None = None
+    """The description of a source by every other hook, with another
+    ``rename`` (a ``describe`` hook that transforms what the trainer holds,
+    such as PEFT's merge, reads it this way)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 from reshard.models.names import CheckpointNames
 from reshard.plan.specs import GridSpec, PieceSpec
-from reshard.sender import deepspeed, fsdp1
+from reshard.sender import deepspeed, fsdp1, peft
 from reshard.sender.held import Held, held_pieces
 from reshard.sender.pieces import default_rename, describe_module
 from reshard.sender.readers import Description, ReadContext, TrainerReader, known_trainers, readers, register_reader
@@ -43,7 +43,7 @@ __all__ = ["describe_trainer", "unwrap"]
 # The readers of the trainers reshard reads without extra arguments. Each
 # module registers its own on import; importing them here makes every
 # ``Sender(model)`` see them.
-_BUILTIN = (deepspeed.READER, fsdp1.READER)
+_BUILTIN = (deepspeed.READER, fsdp1.READER, peft.READER)
 
 
 def _ddp_module(obj: Any) -> Any | None:
@@ -68,20 +68,9 @@ def _refuse_megatron_shard(name: str, t: torch.Tensor, ctx: ReadContext) -> str 
     )
 
 
-def _refuse_peft(model: torch.nn.Module, ctx: ReadContext) -> str | None:
-    if type(model).__module__.split(".")[0] != "peft":
-        return None
-    return (
-        f"rank {ctx.rank}: the model is a PEFT {type(model).__name__}: its adapters would have to be merged into "
-        "the base weights before a refit, which reshard does not do yet; merge them (merge_and_unload) "
-        "or refit the base model"
-    )
-
-
 register_reader(TrainerReader(name="DistributedDataParallel", unwrap=_ddp_module))
 register_reader(TrainerReader(name="torch.compile", unwrap=_compiled_module))
 register_reader(TrainerReader(name="Megatron-Core", refuse=_refuse_megatron_shard))
-register_reader(TrainerReader(name="PEFT", refuse_module=_refuse_peft))
 
 
 def unwrap(source: Any) -> tuple[Any, list[str]]:
@@ -111,20 +100,36 @@ def describe_trainer(
     """(pieces, grids, local tensors) this trainer rank holds, in checkpoint
     names (see the module docstring). ``model_type`` defaults to the
     unwrapped model's ``config.model_type``."""
-    import torch
 
-    ctx = ReadContext(
-        source=source,
-        rank=rank,
-        where=type(source).__name__,
-        rename=rename,
-        model_type=model_type,
-        include_buffers=include_buffers,
-        source_rank_of=source_rank_of,
-    )
+    def inner(src: Any, inner_rename: Callable[[str], str | None] | None) -> Description:
+        return _read(src, ctx_of(inner_rename))
+
+    def ctx_of(r: Callable[[str], str | None] | None) -> ReadContext:
+        return ReadContext(
+            source=source,
+            rank=rank,
+            where=type(source).__name__,
+            rename=r,
+            model_type=model_type,
+            include_buffers=include_buffers,
+            source_rank_of=source_rank_of,
+            unwrap=unwrap,
+            inner=inner,
+        )
+
+    ctx = ctx_of(rename)
     for reader in readers():
         if reader.describe is not None and (whole := reader.describe(source, ctx)) is not None:
             return whole
+    return _read(source, ctx)
+
+
+def _read(source: Any, ctx: ReadContext) -> Description:
+    """Steps 2-4 of :func:`describe_trainer`."""
+    import torch
+
+    rank, rename, include_buffers = ctx.rank, ctx.rename, ctx.include_buffers
+    model_type = ctx.model_type
     model, chain = unwrap(source)
     if model_type is None:
         model_type = getattr(getattr(model, "config", None), "model_type", None)
@@ -152,7 +157,7 @@ def describe_trainer(
         else:
             rest[name] = t
     pieces, grids, local = describe_module(
-        rest, rank=rank, rename=rename, model_type=model_type, source_rank_of=source_rank_of
+        rest, rank=rank, rename=rename, model_type=model_type, source_rank_of=ctx.source_rank_of
     )
     names = CheckpointNames(model_type)
     more, more_local = held_pieces(held, names=names, rename=rename, rank=rank)

@@ -1,0 +1,484 @@
+"""PEFT policies: ``Sender(peft_model)`` publishes the merged weights.
+
+A LoRA-trained policy is a frozen base plus small factors: for every target
+layer, ``W' = W + s * B @ A`` (PEFT's ``merge_and_unload``). The reader
+publishes ``W'`` under the base model's checkpoint names, read where the
+trainer keeps ``W`` (FSDP2, FSDP1, DeepSpeed ZeRO-1/2/3, DDP, plain): for
+every box of ``W`` this rank holds, the box of ``W'`` is computed when a
+refit first reads it, ``W_box + s * (B[rows] @ A)[:, cols]``, into a copy
+of the box (the trainer's weights are never written), so extra memory is the
+boxes in flight. The factors are small: where a rank does not hold them
+whole, every trainer rank gathers them (one ``all_gather`` over the
+trainer's default group per push, counted in :attr:`PeftPolicy.gathered_bytes`);
+the base is never gathered. LoRA factors are not published; a module PEFT
+trains whole (``modules_to_save``) is published from its trained copy.
+
+Numerics: the delta is computed as PEFT computes it (``B @ A``, transposed
+for ``fan_in_fan_out`` layers and embeddings, times the layer's scaling;
+on CPU in float32 for half-precision factors, then cast back) and added in
+place to the box in the base weight's dtype, as PEFT's merge adds it. Only
+the rows of ``B @ A`` a box needs are computed: the dot products are those
+of PEFT's whole-tensor merge, summed by the same BLAS, so the merged boxes
+equal ``merge_and_unload``'s tensors bit for bit where the BLAS sums an
+``r``-long dot product in the same order for every row count (tested on
+this CPU for every trainer), and otherwise within ``r`` float32 roundings
+of ``|B| |A|`` before the cast to the weights' dtype.
+
+Refused at construction, naming the adapter type and module: PEFT methods
+other than LoRA, DoRA and other LoRA variants, LoRA on parameters
+(``target_parameters``), on convolutions, and trainable tokens.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from reshard.plan.box import Box
+from reshard.plan.layout import Grid, Slot, grid_box
+from reshard.plan.specs import GridSpec, PieceSpec
+from reshard.sender.readers import Description, ReadContext, TrainerReader, register_reader
+from reshard.transport.messages import local_view
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["READER", "LoraLayerInfo", "PeftPolicy", "merged_box"]
+
+_FACTOR = "\x00lora\x00"
+"""Marks a LoRA factor's name in the inner description (never published)."""
+
+
+@dataclass(slots=True)
+class LoraLayerInfo:
+    """One LoRA layer of the policy, under its checkpoint name."""
+
+    name: str
+    """The base weight's checkpoint name (``model.layers.0.self_attn.q_proj.weight``)."""
+    kind: str
+    """``linear`` or ``embedding``."""
+    fan_in_fan_out: bool
+    adapters: list[tuple[str, float]]
+    """``(adapter, scaling)`` to merge, in PEFT's order (already merged ones left out)."""
+    bias: str | None = None
+    """The base bias's checkpoint name when an adapter has a LoRA bias (``lora_bias``)."""
+    factors: dict[str, Any] = field(default_factory=dict)
+    """``A:<adapter>``, ``B:<adapter>``, ``b:<adapter>`` (B's bias): the whole factors."""
+
+
+def merged_box(info: LoraLayerInfo, box: Box, base: torch.Tensor, *, bias: bool = False) -> None:
+    """Add every adapter's delta to ``base``, the values of ``box`` of the
+    base weight (or of its bias, ``bias=True``), in place, as PEFT's merge does."""
+    import torch
+
+    for adapter, scaling in info.adapters:
+        if bias:
+            b = info.factors.get(f"b:{adapter}")
+            if b is not None:
+                lo = box.offsets[0]
+                base += b[lo : lo + box.sizes[0]] * scaling
+            continue
+        a, b = info.factors[f"A:{adapter}"], info.factors[f"B:{adapter}"]
+        dtype = b.dtype
+        cast = b.device.type == "cpu" and dtype in (torch.float16, torch.bfloat16)
+        if cast:
+            a, b = a.float(), b.float()
+        if base.dim() == 1:  # a 1-dim weight cannot carry LoRA; guarded at read time
+            raise ValueError(f"{info.name!r}: a LoRA layer with a 1-dim weight")
+        (r0, c0), (nr, nc) = box.offsets, box.sizes
+        if info.kind == "embedding" or info.fan_in_fan_out:
+            # delta = (B @ A).T: the rows of B @ A are the box's columns.
+            delta = _rows(b, a, c0, nc)[:, r0 : r0 + nr].T
+        else:
+            delta = _rows(b, a, r0, nr)[:, c0 : c0 + nc]
+        delta = delta * scaling
+        if cast:
+            delta = delta.to(dtype)
+        base += delta
+
+
+_ROW_BLOCK = 16
+"""Rows of ``B @ A`` are computed in aligned blocks of this many: a product
+of one row takes the BLAS's matrix-vector path, which sums a dot product in
+another order than the whole-tensor product PEFT merges with."""
+
+
+def _rows(b: torch.Tensor, a: torch.Tensor, start: int, count: int) -> torch.Tensor:
+    """Rows ``start .. start + count`` of ``b @ a``, from aligned blocks of rows."""
+    lo = start // _ROW_BLOCK * _ROW_BLOCK
+    hi = min(b.shape[0], -(-(start + count) // _ROW_BLOCK) * _ROW_BLOCK)
+    return (b[lo:hi] @ a)[start - lo : start - lo + count]
+
+
+@dataclass(slots=True)
+class _Merge:
+    """A local tensor's boxes that take a delta."""
+
+    info: LoraLayerInfo
+    slot: Slot
+    box: Box
+    bias: bool
+
+
+class PeftPolicy(Mapping):
+    """The local tensors of a PEFT policy's rank: the trainer's own, and, for
+    local tensors holding LoRA-targeted weights, merged copies computed on
+    first read and kept while a small budget lasts (see the module docstring)."""
+
+    reshard_lazy = True
+    """Checked tensor by tensor as a refit reads them (merging them all up
+    front would hold a merged copy of every targeted weight at once)."""
+
+    def __init__(
+        self,
+        plain: Mapping[str, torch.Tensor],
+        merges: Mapping[str, list[_Merge]],
+        *,
+        gathered_bytes: int,
+        keep_bytes: int = 256 << 20,
+    ) -> None:
+        self.plain = dict(plain)
+        self.merges = dict(merges)
+        self.gathered_bytes = gathered_bytes
+        """Bytes of LoRA factors this rank received gathering them, at the last read."""
+        self.keep_bytes = keep_bytes
+        self._kept: OrderedDict[str, torch.Tensor] = OrderedDict()
+        self.merged = 0
+        """Local tensors merged so far (a refit reads each once per round it is in)."""
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        merges = self.merges.get(key)
+        if merges is None:
+            return self.plain[key]
+        got = self._kept.get(key)
+        if got is not None:
+            self._kept.move_to_end(key)
+            return got
+        import torch
+
+        out = self.plain[key].detach().clone()
+        with torch.no_grad():
+            for m in merges:
+                merged_box(m.info, m.box, local_view(out, m.slot, m.box), bias=m.bias)
+        self.merged += 1
+        self._kept[key] = out
+        held = sum(t.nbytes for t in self._kept.values())
+        while len(self._kept) > 1 and held > self.keep_bytes:
+            _, old = self._kept.popitem(last=False)
+            held -= old.nbytes
+        return out
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.plain)
+
+    def __len__(self) -> int:
+        return len(self.plain)
+
+    @property
+    def device(self) -> torch.device:
+        return next(iter(self.plain.values())).device
+
+
+# -- reading a PEFT model ----------------------------------------------------------------
+
+
+def _is_peft(model: Any) -> bool:
+    """A PEFT ``PeftModel`` (FSDP2 makes a subclass of its class; its ``base_model``, a tuner, is not one)."""
+    return any(c.__name__ == "PeftModel" and c.__module__.startswith("peft.") for c in type(model).__mro__)
+
+
+def _find_peft(model: Any) -> Any | None:
+    """The PEFT model a trainer's model is or wraps (FSDP1 keeps it inside its root unit)."""
+    if _is_peft(model):
+        return model
+    import torch
+
+    if isinstance(model, torch.nn.Module):
+        return next((m for m in model.modules() if _is_peft(m)), None)
+    return None
+
+
+def _clean(path: str) -> str:
+    """A module path without trainer wrappers' segments (FSDP1 units)."""
+    from reshard.sender.pieces import default_rename
+
+    return (default_rename(path + ".x") or path + ".x")[:-2]
+
+
+def _layers(model: Any, rank: int) -> tuple[dict[str, dict], dict[str, str]]:
+    """Per LoRA module path (as ``named_modules`` names it), what to merge, and
+    per ``modules_to_save`` wrapper path, its active adapter. Refuses what
+    cannot be merged exactly."""
+    from peft.tuners.lora import LoraLayer
+    from peft.tuners.lora import layer as lora_layer
+
+    for adapter, cfg in model.peft_config.items():
+        kind = str(getattr(cfg, "peft_type", ""))
+        if not kind.endswith("LORA") or kind.endswith(("ADALORA", "XLORA")):
+            raise TypeError(
+                f"rank {rank}: adapter {adapter!r} is a PEFT {kind.rsplit('.', 1)[-1]} adapter; reshard merges "
+                "LoRA adapters only (merge it with merge_and_unload, or refit the base model)"
+            )
+        if getattr(cfg, "target_parameters", None):
+            raise TypeError(
+                f"rank {rank}: adapter {adapter!r} puts LoRA on parameters ({list(cfg.target_parameters)[:3]}), "
+                "which reshard does not merge yet"
+            )
+        if getattr(cfg, "trainable_token_indices", None):
+            raise TypeError(f"rank {rank}: adapter {adapter!r} trains token embeddings, which reshard does not merge")
+    layers: dict[str, dict] = {}
+    saved: dict[str, str] = {}
+    for raw, mod in model.named_modules():
+        path = _clean(raw)
+        cls = type(mod).__name__
+        if cls == "ModulesToSaveWrapper":
+            saved[path] = mod.active_adapter if isinstance(mod.active_adapter, str) else mod.active_adapter[0]
+            continue
+        if cls == "TrainableTokensWrapper":
+            raise TypeError(f"rank {rank}: module {path!r} trains token embeddings, which reshard does not merge")
+        if not isinstance(mod, LoraLayer):
+            continue
+        active = [a for a in mod.active_adapters if a in mod.scaling]
+        if type(mod) not in (lora_layer.Linear, lora_layer.Embedding):
+            raise TypeError(
+                f"rank {rank}: module {path!r} is a PEFT {cls} LoRA layer; reshard merges LoRA on linear layers "
+                "and embeddings only"
+            )
+        for a in active:
+            if a in mod.lora_variant:
+                variant = type(mod.lora_variant[a]).__name__.removesuffix("Variant")
+                raise TypeError(
+                    f"rank {rank}: module {path!r} runs adapter {a!r} as {variant} (a LoRA variant such as DoRA), "
+                    "which reshard cannot merge exactly; train plain LoRA or merge with merge_and_unload"
+                )
+        done = set(getattr(mod, "merged_adapters", ()))
+        todo = [(a, float(mod.scaling[a])) for a in active if a not in done]
+        if todo:
+            layers[path] = {
+                "kind": "embedding" if isinstance(mod, lora_layer.Embedding) else "linear",
+                "fan_in_fan_out": bool(getattr(mod, "fan_in_fan_out", False)),
+                "adapters": todo,
+                "bias": any(getattr(mod, "lora_bias", {}).get(a, False) for a, _ in todo),
+            }
+    return layers, saved
+
+
+def _renamer(
+    layers: Mapping[str, dict], saved: Mapping[str, str], outer: Callable[[str], str | None] | None
+) -> Callable[[str], str | None]:
+    """Parameter names of the PEFT model -> checkpoint names (LoRA factors
+    marked, not published; frozen originals of ``modules_to_save`` dropped)."""
+    from reshard.sender.pieces import default_rename
+
+    def rename(name: str) -> str | None:
+        name = default_rename(name) or ""
+        name = name.removeprefix("base_model.model.")
+        for marker in (".lora_A.", ".lora_B.", ".lora_embedding_A.", ".lora_embedding_B."):
+            if marker in name:
+                return _FACTOR + name
+        if ".lora_" in name:
+            return None  # magnitude vectors and the like: refused above, never published
+        if ".original_module." in name:
+            return None
+        if ".modules_to_save." in name:
+            path, _, rest = name.partition(".modules_to_save.")
+            adapter, _, leaf = rest.partition(".")
+            if saved.get("base_model.model." + path, adapter) != adapter:
+                return None
+            name = f"{path}.{leaf}"
+        name = name.replace(".base_layer.", ".")
+        return outer(name) if outer is not None else name
+
+    return rename
+
+
+def _my_box(g: GridSpec, rank: int) -> Box:
+    mesh = g.mesh
+    ranks = mesh.all_ranks()
+    idx = ranks.index(rank)
+    coord = []
+    for n in reversed(mesh.shape):
+        coord.append(idx % n)
+        idx //= n
+    grid = Grid(tensors=(0, 1, 1), mesh=mesh, shard=g.shard, block=g.block)
+    return grid_box(grid, g.tensor.shape, tuple(reversed(coord)))
+
+
+def _describe(source: Any, ctx: ReadContext) -> Description | None:
+    if ctx.inner is None:
+        return None
+    from reshard.sender.pieces import default_rename
+
+    model, _ = ctx.unwrap(source) if ctx.unwrap is not None else (source, [])
+    model = _find_peft(model)
+    if model is None:
+        return None
+    layers, saved = _layers(model, ctx.rank)
+    user = None if ctx.rename is None or ctx.rename is default_rename else ctx.rename
+    pieces, grids, local = ctx.inner(source, _renamer(layers, saved, user))
+    # LoRA layers by the checkpoint name of their base weight.
+    by_weight: dict[str, LoraLayerInfo] = {}
+    for path, spec in layers.items():
+        base = path.removeprefix("base_model.model.")
+        cname = f"{base}.weight"
+        info = LoraLayerInfo(
+            name=cname, kind=spec["kind"], fan_in_fan_out=spec["fan_in_fan_out"], adapters=spec["adapters"]
+        )
+        if spec["bias"]:
+            info.bias = f"{base}.bias"
+        by_weight[cname] = info
+    # Split the factors from what is published.
+    factor_parts: dict[str, list[tuple[Box, torch.Tensor]]] = {}
+    factor_shapes: dict[str, tuple[tuple[int, ...], str]] = {}
+    keep_pieces: list[PieceSpec] = []
+    keep_grids: list[GridSpec] = []
+    for p in pieces:
+        if p.tensor.name.startswith(_FACTOR):
+            slot = Slot(ctx.rank, p.box, p.local, p.local_shape, p.offset or (0,) * len(p.local_shape), p.dims)
+            factor_parts.setdefault(p.tensor.name, []).append((p.box, local_view(local[p.local], slot, p.box)))
+            factor_shapes[p.tensor.name] = (p.tensor.shape, p.tensor.dtype)
+        else:
+            keep_pieces.append(p)
+    for g in grids:
+        if g.tensor.name.startswith(_FACTOR):
+            box = _my_box(g, ctx.rank)
+            if not box.is_empty():
+                factor_parts.setdefault(g.tensor.name, []).append((box, local[g.tensor.name]))
+            factor_shapes[g.tensor.name] = (g.tensor.shape, g.tensor.dtype)
+        else:
+            keep_grids.append(g)
+    factors, gathered = _gather(factor_parts, factor_shapes)
+    markers = ((".lora_A.", "A"), (".lora_B.", "B"), (".lora_embedding_A.", "A"), (".lora_embedding_B.", "B"))
+    for fname, t in factors.items():
+        name = fname.removeprefix(_FACTOR)
+        for marker, key in markers:
+            if marker in name:
+                path, _, rest = name.partition(marker)
+                adapter = rest.split(".", 1)[0]
+                owner = by_weight.get(f"{path}.weight")
+                if owner is not None and key == "B" and rest.endswith(".bias"):
+                    owner.factors[f"b:{adapter}"] = t
+                elif owner is not None and not rest.endswith(".bias"):
+                    owner.factors[f"{key}:{adapter}"] = t
+                break
+    for info in by_weight.values():
+        for adapter, _ in info.adapters:
+            if f"A:{adapter}" not in info.factors or f"B:{adapter}" not in info.factors:
+                raise ValueError(
+                    f"rank {ctx.rank}: the LoRA factors of {info.name!r} (adapter {adapter!r}) are held by no "
+                    "trainer rank reshard can read"
+                )
+    by_bias = {info.bias: info for info in by_weight.values() if info.bias}
+    merges: dict[str, list[_Merge]] = {}
+    for p in keep_pieces:
+        target = by_weight.get(p.tensor.name) or by_bias.get(p.tensor.name)
+        if target is not None:
+            slot = Slot(ctx.rank, p.box, p.local, p.local_shape, p.offset or (0,) * len(p.local_shape), p.dims)
+            merges.setdefault(p.local, []).append(_Merge(target, slot, p.box, p.tensor.name == target.bias))
+    for g in keep_grids:
+        target = by_weight.get(g.tensor.name) or by_bias.get(g.tensor.name)
+        if target is not None:
+            box = _my_box(g, ctx.rank)
+            if box.is_empty():
+                continue
+            lt = local[g.tensor.name]
+            slot = Slot(ctx.rank, box, g.tensor.name, tuple(lt.shape), (0,) * lt.dim())
+            merges.setdefault(g.tensor.name, []).append(_Merge(target, slot, box, g.tensor.name == target.bias))
+    return keep_pieces, keep_grids, PeftPolicy(local, merges, gathered_bytes=gathered)  # type: ignore[return-value]
+
+
+def _gather(
+    parts: Mapping[str, list[tuple[Box, torch.Tensor]]], shapes: Mapping[str, tuple[tuple[int, ...], str]]
+) -> tuple[dict[str, torch.Tensor], int]:
+    """Every factor whole on this rank: as held when every rank holds every
+    factor whole, else from one all-gather of every rank's boxes over the
+    trainer's default group (every trainer rank runs this at every read, in
+    the same order). Returns the factors and the bytes received."""
+    import torch
+    import torch.distributed as dist
+
+    names = sorted(shapes)
+    whole = all(
+        any(box.sizes == shapes[n][0] for box, _ in parts.get(n, ())) or math.prod(shapes[n][0]) == 0 for n in names
+    )
+    group = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    if group:
+        device = _group_device()
+        flag = torch.tensor([1 if whole else 0], dtype=torch.int64, device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        whole = bool(flag.item())
+    out: dict[str, torch.Tensor] = {}
+    if whole or not group:
+        for n in names:
+            shape, dtype = shapes[n]
+            full = torch.zeros(shape, dtype=getattr(torch, dtype))
+            for box, t in parts.get(n, ()):
+                full[tuple(slice(o, o + s) for o, s in zip(box.offsets, box.sizes, strict=True))] = t.detach().cpu()
+            out[n] = full
+        return out, 0
+    # Each rank's boxes: a header row per box (factor, offsets, sizes, byte
+    # offset) and their bytes, padded to the largest rank's.
+    index = {n: i for i, n in enumerate(names)}
+    rows: list[list[int]] = []
+    chunks: list[torch.Tensor] = []
+    at = 0
+    for n in names:
+        for box, t in parts.get(n, ()):
+            data = t.detach().contiguous().view(-1).view(torch.uint8).cpu()
+            o = list(box.offsets) + [0] * (2 - box.ndim)
+            s = list(box.sizes) + [1] * (2 - box.ndim)
+            rows.append([index[n], *o[:2], *s[:2], at, data.numel()])
+            chunks.append(data)
+            at += data.numel()
+    header = torch.tensor(rows or [[-1, 0, 0, 0, 0, 0, 0]], dtype=torch.int64)
+    payload = torch.cat(chunks) if chunks else torch.zeros(0, dtype=torch.uint8)
+    world = dist.get_world_size()
+    device = _group_device()
+    sizes = torch.tensor([header.shape[0], payload.numel()], dtype=torch.int64, device=device)
+    all_sizes = [torch.zeros(2, dtype=torch.int64, device=device) for _ in range(world)]
+    dist.all_gather(all_sizes, sizes)
+    n_rows = max(int(s[0]) for s in all_sizes)
+    n_bytes = max(int(s[1]) for s in all_sizes)
+    h = torch.full((n_rows, 7), -1, dtype=torch.int64)
+    h[: header.shape[0]] = header
+    p = torch.zeros(max(n_bytes, 1), dtype=torch.uint8)
+    p[: payload.numel()] = payload
+    hs = [torch.empty_like(h, device=device) for _ in range(world)]
+    ps = [torch.empty_like(p, device=device) for _ in range(world)]
+    dist.all_gather(hs, h.to(device))
+    dist.all_gather(ps, p.to(device))
+    for n in names:
+        shape, dtype = shapes[n]
+        out[n] = torch.zeros(shape, dtype=getattr(torch, dtype))
+    received = 0
+    for hh, pp in zip(hs, ps, strict=True):
+        hh, pp = hh.cpu(), pp.cpu()
+        for i, o0, o1, s0, s1, off, nb in hh.tolist():
+            if i < 0:
+                continue
+            n = names[i]
+            full = out[n]
+            vals = pp[off : off + nb].view(full.dtype)
+            if full.dim() == 1:
+                full[o0 : o0 + s0] = vals
+            else:
+                full[o0 : o0 + s0, o1 : o1 + s1] = vals.view(s0, s1)
+            received += nb
+    return out, received
+
+
+def _group_device() -> torch.device:
+    """Where the default group's collectives take tensors."""
+    import torch
+    import torch.distributed as dist
+
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+READER = register_reader(TrainerReader(name="PEFT LoRA (merged)", describe=_describe))
+"""A PEFT LoRA policy, under any trainer reshard reads, as merged weights."""
