@@ -222,16 +222,9 @@ def refit_with_trainers(
     """One refit: the trainer ranks push while the driver (here, or trainer
     rank 0 through ``Sender.push(engines=...)``) drives the server."""
     from reshard import GroupConfig
-    from tests import procs
+    from tests.support import group_kwargs
 
-    config = dict(
-        address=address,
-        num_sources=trainers.world,
-        num_destinations=server.tp,
-        timeout_s=procs.GROUP_TIMEOUT_S,
-        host_store=False,
-        generation=generation,
-    )
+    config = group_kwargs(address, trainers.world, server.tp, generation=generation)
     if trainer_drives:
         t0 = time.monotonic()
         trainers.start_push(path, config, refit, mutate, drive=server.url, dtype=dtype)

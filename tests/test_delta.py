@@ -33,10 +33,9 @@ from reshard.plan.specs import PieceSpec, build_layout
 from reshard.receiver import Receiver
 from reshard.sender import Sender
 from reshard.transport import encoding as E
-from reshard.transport.group import GroupConfig
 
 from . import procs
-from .test_transport import _collect, expand, global_tensor, local_view, make_locals
+from .support import collect_problems, encode_problem, expand, global_tensor, group_config, local_view, make_locals
 
 # -- encodings -------------------------------------------------------------------------
 
@@ -208,16 +207,7 @@ def run_refits(rank: int, port: int, encoded: list[bytes], budget: int) -> list[
         domains = msgspec.convert(p["domains"], dict[int, int])
         if rank not in domains:
             continue
-        cfg = GroupConfig(
-            address=f"127.0.0.1:{port}",
-            job=f"d{i}",
-            num_sources=len(src),
-            num_destinations=len(dst),
-            timeout_s=procs.GROUP_TIMEOUT_S,
-            domain=f"d{domains[rank]}",
-            host_store=False,
-            delta=True,
-        )
+        cfg = group_config(f"127.0.0.1:{port}", len(src), len(dst), job=f"d{i}", domain=f"d{domains[rank]}", delta=True)
         if rank < len(src):
             lay = src[rank]
             items = expand(lay)
@@ -263,9 +253,9 @@ def run_refits(rank: int, port: int, encoded: list[bytes], budget: int) -> list[
 
 @pytest.mark.slow
 def test_random_layouts_and_sparse_updates_over_five_refits_are_bit_exact_and_sized_as_encoded():
-    found = _collect(30)
+    found = collect_problems(30)
     assert len(found) >= 20
-    blobs = [msgspec.msgpack.encode({"src": p.src, "dst": p.dst, "domains": p.domain_of}) for p in found]
+    blobs = [encode_problem(p) for p in found]
     world = max(len(p.ranks) for p in found)
     server = procs.StoreServer()
     out = procs.check(procs.run(run_refits, world, server.port, blobs, 8192, timeout=600))
@@ -314,12 +304,10 @@ def _fencing(rank: int, address: str, scenario: str) -> list[dict]:
     """2 trainer ranks (rows of ``w``, halves of ``b``) and 2 engine workers
     (columns of ``w``, halves of ``b``), six refits, ``scenario`` striking
     before refit 3 (see the test)."""
-    cfg = GroupConfig(
-        address=address,
-        num_sources=2,
-        num_destinations=2,
-        timeout_s=procs.GROUP_TIMEOUT_S,
-        host_store=False,
+    cfg = group_config(
+        address,
+        2,
+        2,
         job=f"fence-{scenario}",
         delta=True,
         delta_budget_bytes=300_000 if scenario == "budget" else None,

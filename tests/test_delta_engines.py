@@ -31,6 +31,7 @@ import pytest
 from reshard.adapters.core.state import compare_states
 
 from . import procs
+from .support import group_kwargs
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
@@ -181,10 +182,9 @@ def run(sglang_python, tmp_path_factory) -> dict[str, Any]:
     root = tmp_path_factory.mktemp("delta")
     v0 = str(build_tiny_model(root / "v0", "qwen2", seed=0, torch_dtype="bfloat16"))
     store = procs.StoreServer()
-    common = dict(address=store.address, num_sources=2, timeout_s=procs.GROUP_TIMEOUT_S, host_store=False, delta=True)
     configs = {
-        "vllm": dict(common, num_destinations=2, job="delta-vllm"),
-        "sglang": dict(common, num_destinations=1, job="delta-sglang"),
+        "vllm": group_kwargs(store.address, 2, 2, delta=True, job="delta-vllm"),
+        "sglang": group_kwargs(store.address, 2, 1, delta=True, job="delta-sglang"),
     }
     trainers = procs.Pool(2)
     host = procs.Pool(1, daemon=False)

@@ -17,6 +17,7 @@ from reshard.transport.execute import checksum
 from reshard.transport.group import GroupConfig
 
 from . import procs
+from .support import group_config
 
 W = TensorMeta("model.layers.0.mlp.w", (64, 48), "float32")
 
@@ -57,29 +58,14 @@ def _corrupted(rank: int, address: str) -> dict:
     # Without checksums the corruption lands silently.
     ep, t = _endpoint(
         rank,
-        GroupConfig(
-            address=address,
-            num_sources=2,
-            num_destinations=2,
-            job="plain",
-            timeout_s=procs.GROUP_TIMEOUT_S,
-            host_store=False,
-        ),
+        group_config(address, 2, 2, job="plain"),
     )
     _run(ep, rank, 1)
     ep.close()
     if rank >= 2:
         out["plain_intact"] = bool(torch.equal(t, _weights(1)[:, (rank - 2) * 24 : (rank - 1) * 24]))
     # With checksums every rank raises, naming the message.
-    cfg = GroupConfig(
-        address=address,
-        num_sources=2,
-        num_destinations=2,
-        job="sums",
-        timeout_s=procs.GROUP_TIMEOUT_S,
-        checksums=True,
-        host_store=False,
-    )
+    cfg = group_config(address, 2, 2, job="sums", checksums=True)
     ep, t = _endpoint(rank, cfg)
     try:
         _run(ep, rank, 1)
@@ -113,9 +99,7 @@ def test_checksums_catch_bytes_corrupted_in_flight_on_every_rank_and_the_next_re
 
 def _versions(rank: int, address: str) -> list:
     """Rank 0 trains; ranks 1-2 keep everything. Returns what each attempt did."""
-    cfg = GroupConfig(
-        address=address, num_sources=1, num_destinations=2, timeout_s=procs.GROUP_TIMEOUT_S, host_store=False
-    )
+    cfg = group_config(address, 1, 2)
     meta = TensorMeta("w", (8, 4), "float32")
     log: list = []
     if rank == 0:

@@ -25,6 +25,7 @@ from reshard.transport.auth import job_keys
 from reshard.transport.group import GroupConfig, RefitGroup, serve_store
 
 from . import procs
+from .support import group_config
 
 ROOT = pathlib.Path(__file__).resolve().parents[1] / "reshard"
 SECRET = TensorMeta("model.layers.0.secret_proj.weight", (8, 4), "float32")
@@ -205,16 +206,7 @@ def _no_pickle(rank: int, address: str) -> dict:
             live.append(True)
     calls.clear()
     # Rank 0 trains; ranks 1-2, one NVLink domain, keep everything: one leads, one is forwarded to.
-    cfg = GroupConfig(
-        address=address,
-        num_sources=1,
-        num_destinations=2,
-        timeout_s=procs.GROUP_TIMEOUT_S,
-        host_store=False,
-        token="job-token",
-        checksums=True,
-        domain="trainer" if rank == 0 else "engines",
-    )
+    cfg = group_config(address, 1, 2, token="job-token", checksums=True, domain="trainer" if rank == 0 else "engines")
     meta = TensorMeta("w", (256, 64), "bfloat16")
     full = torch.arange(256 * 64, dtype=torch.float32).reshape(256, 64).to(torch.bfloat16)
     piece = [PieceSpec(meta, Box((0, 0), (256, 64)), "w", (256, 64))]

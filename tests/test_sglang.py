@@ -26,6 +26,7 @@ from reshard.plan.box import Box
 from reshard.plan.layout import TensorMeta
 
 from . import procs
+from .support import group_config
 
 # -- toy models with SGLang-style loaders (no SGLang needed) ---------------------------
 
@@ -113,11 +114,9 @@ def test_a_loader_no_checkpoint_tensor_determines_is_refused():
 def _hook_run(rank: int, address: str, mode: str, junk: bool) -> dict[str, Any]:
     """Rank 0: a trainer holding the checkpoint. Rank 1: an SGLang worker
     (TP rank 0 of 1) whose loader is called through the hook."""
-    from reshard import GroupConfig, Sender
+    from reshard import Sender
 
-    cfg = GroupConfig(
-        address=address, num_sources=1, num_destinations=1, timeout_s=procs.GROUP_TIMEOUT_S, host_store=False
-    )
+    cfg = group_config(address, 1, 1)
     ckpt = _checkpoint(5)
     if rank == 0:
         sender = Sender(ckpt, config=cfg, rank=0)

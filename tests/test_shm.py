@@ -22,11 +22,10 @@ from reshard.plan.layout import TensorMeta
 from reshard.plan.specs import PieceSpec
 from reshard.receiver import Receiver
 from reshard.sender import Sender
-from reshard.transport.group import GroupConfig
 from reshard.transport.shm import SHM_DIR
 
 from . import procs
-from .test_transport import _collect, _encode, _relayouts, run_problems
+from .support import collect_problems, encode_problem, group_config, relayouts, run_problems
 
 _CREATOR = re.compile(r"reshard-[0-9a-f]+-e\d+-\d+\.(\d+)-|torch_(\d+)_")
 """The creator's pid in a channel's name (``channel_name``) or in a file
@@ -59,8 +58,8 @@ def test_random_layouts_move_bit_exactly_over_shared_memory_and_gloo_mixed(mode)
     """Half the problems test_transport plays over gloo each way: through the
     channels (two copies), and read straight from the trainers' exported
     tensors (one copy); ranks on the other host label still use gloo."""
-    found = _collect(40)[:20] if mode == "channels" else _collect(40)[20:]
-    blobs = [_encode(p) for p in found]
+    found = collect_problems(40)[:20] if mode == "channels" else collect_problems(40)[20:]
+    blobs = [encode_problem(p) for p in found]
     world = max(len(p.ranks) for p in found)
     server = procs.StoreServer()
     shm = True if mode == "channels" else "export"
@@ -71,7 +70,7 @@ def test_random_layouts_move_bit_exactly_over_shared_memory_and_gloo_mixed(mode)
 
 def test_repeated_refits_and_layout_changes_over_shared_memory():
     server = procs.StoreServer()
-    out = procs.check(procs.run(_relayouts, 4, server.address, True, reuse=True))
+    out = procs.check(procs.run(relayouts, 4, server.address, True, reuse=True))
     for rank, per_refit in enumerate(out):
         assert all(ok for ok, _ in per_refit), (rank, per_refit)
 
@@ -91,16 +90,7 @@ def _mixed(
     rounds, so a refit takes several. ``kill``: this rank dies after the
     first round of its first refit. ``export``: the trainers export their
     tensors and update them in place between refits."""
-    cfg = GroupConfig(
-        export_sources=export,
-        address=address,
-        num_sources=2,
-        num_destinations=2,
-        timeout_s=procs.GROUP_TIMEOUT_S,
-        host_store=False,
-        shared_memory=True,
-        shm_host=hosts[rank],
-    )
+    cfg = group_config(address, 2, 2, export_sources=export, shared_memory=True, shm_host=hosts[rank])
     out: dict = {"rank": rank, "refits": []}
     if rank < 2:
         local = _full(1)[rank * 128 : (rank + 1) * 128].clone()
@@ -189,14 +179,7 @@ def _sizes_change_back(rank: int, address: str) -> list[bool]:
     halves, then row halves (each from one trainer rank), then column halves
     again; each pair's channel grows or shrinks with its busiest round and
     starts counting anew each time."""
-    cfg = GroupConfig(
-        address=address,
-        num_sources=2,
-        num_destinations=2,
-        timeout_s=procs.GROUP_TIMEOUT_S,
-        host_store=False,
-        shared_memory=True,
-    )
+    cfg = group_config(address, 2, 2, shared_memory=True)
     if rank < 2:
         local = _full(1)[rank * 128 : (rank + 1) * 128].clone()
         s = Sender.from_pieces(
@@ -243,15 +226,7 @@ def _flat_buffer(rank: int, address: str) -> dict:
     Megatron's contiguous parameter buffers are), exported; one engine rank
     keeps both whole. The buffer moves into shared memory once, both views
     follow it, and the trainer's in-place update reaches the engine."""
-    cfg = GroupConfig(
-        address=address,
-        num_sources=1,
-        num_destinations=1,
-        timeout_s=procs.GROUP_TIMEOUT_S,
-        host_store=False,
-        shared_memory=True,
-        export_sources=True,
-    )
+    cfg = group_config(address, 1, 1, shared_memory=True, export_sources=True)
     a, b = TensorMeta("a", (64, 32), "float32"), TensorMeta("b", (16, 8), "float32")
     pieces = [PieceSpec(a, Box((0, 0), a.shape), "a", a.shape), PieceSpec(b, Box((0, 0), b.shape), "b", b.shape)]
     if rank == 0:

@@ -26,6 +26,7 @@ from reshard.sender import Sender
 from reshard.transport.group import GroupConfig
 
 from . import procs
+from .support import group_config
 
 SIZES = {"small": (8, 6), "large": (1024, 512)}
 """``small``: packed, staged messages; ``large``: 1 MiB halves, received
@@ -41,9 +42,7 @@ def _fault_scenario(rank: int, address: str, case: str, side: str, size: str) ->
     same refit again with the fault gone, on the same Sender / Receiver."""
     shape = SIZES[size]
     meta = TensorMeta("model.w", shape, "float32")
-    cfg = GroupConfig(
-        address=address, num_sources=2, num_destinations=2, timeout_s=procs.GROUP_TIMEOUT_S, host_store=False
-    )
+    cfg = group_config(address, 2, 2)
     full = _full(shape)
     half = shape[0] // 2
     out: dict = {"rank": rank}
@@ -133,14 +132,7 @@ def _knobs_scenario(rank: int, address: str, cases: list[dict]) -> list[str]:
     for i, c in enumerate(cases):
         shape = tuple(c["shape"])
         meta = TensorMeta("model.w", shape, "float32")
-        cfg = GroupConfig(
-            address=address,
-            job=f"k{i}",
-            num_sources=2,
-            num_destinations=2,
-            timeout_s=procs.GROUP_TIMEOUT_S,
-            host_store=False,
-        )
+        cfg = group_config(address, 2, 2, job=f"k{i}")
         full = _full(shape)
         knobs = {"budget_bytes": c["budget"][rank], "round_bytes": c["rounds"][rank]}
         try:

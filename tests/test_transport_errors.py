@@ -18,6 +18,7 @@ from reshard.sender import Sender
 from reshard.transport.group import GroupConfig
 
 from . import procs
+from .support import group_config
 
 W = TensorMeta("model.w", (8, 6), "float32")
 
@@ -124,9 +125,7 @@ assert NOTICED_WITHIN_S * 4 < procs.GROUP_TIMEOUT_S
 
 def _dies_mid_transfer(rank: int, address: str) -> dict:
     # 4 MiB per tensor, 64 KiB rounds: many rounds; rank 0 dies after its first.
-    cfg = GroupConfig(
-        address=address, num_sources=2, num_destinations=2, timeout_s=procs.GROUP_TIMEOUT_S, host_store=False
-    )
+    cfg = group_config(address, 2, 2)
     meta = TensorMeta("big", (1024, 1024), "float32")
     ep: Sender | Receiver
     if rank < 2:
@@ -343,15 +342,7 @@ def _leader_of(round_bytes: int) -> int:
 
 def _replica(rank: int, address: str, value: float, die_after: int | None) -> dict:
     """Ranks 1-3 keep the whole tensor, in one domain: a leader pulls, forwards."""
-    cfg = GroupConfig(
-        address=address,
-        num_sources=1,
-        num_destinations=3,
-        timeout_s=procs.GROUP_TIMEOUT_S,
-        host_store=False,
-        domain="trainer" if rank == 0 else "engines",
-        checksums=True,
-    )
+    cfg = group_config(address, 1, 3, domain="trainer" if rank == 0 else "engines", checksums=True)
     full = Box((0, 0), (512, 1024))
     if rank == 0:
         local = torch.full((512, 1024), value)

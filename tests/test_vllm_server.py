@@ -15,6 +15,7 @@ from reshard import GroupConfig
 from reshard.testing.tiny import build_tiny_model
 
 from . import procs
+from .support import group_config
 from .vllm_support import (
     MAX_TOKENS,
     PROMPTS,
@@ -174,9 +175,7 @@ def test_refit_while_requests_generate_pause_swap_resume(server):
     target = server["v1"]  # the first test left v2 in the server
 
     store = procs.StoreServer()
-    cfg = GroupConfig(
-        address=store.address, num_sources=1, num_destinations=1, timeout_s=procs.GROUP_TIMEOUT_S, host_store=False
-    )
+    cfg = group_config(store.address, 1, 1)
     engines = VllmEngines([url])
     engines.init(cfg)
     http = engines.engines[0]
@@ -288,9 +287,7 @@ def test_two_phase_refit_serves_while_staging_and_pauses_only_to_apply(server):
     server["tokens"]["v2"] = old
     old_streamed = _complete(url, model, prompt, STREAMED)
     store = procs.StoreServer()
-    cfg = GroupConfig(
-        address=store.address, num_sources=1, num_destinations=1, timeout_s=procs.GROUP_TIMEOUT_S, host_store=False
-    )
+    cfg = group_config(store.address, 1, 1)
     engines = VllmEngines([url], two_phase=True)
     engines.init(cfg)
     http = engines.engines[0]
@@ -392,9 +389,7 @@ def test_a_sleeping_server_wakes_its_weights_for_the_refit_and_serves_after_it(s
 
     url = server["url"]
     store = procs.StoreServer()
-    cfg = GroupConfig(
-        address=store.address, num_sources=1, num_destinations=1, timeout_s=procs.GROUP_TIMEOUT_S, host_store=False
-    )
+    cfg = group_config(store.address, 1, 1)
     engines = VllmEngines([url], sleeping=True)
     engines.init(cfg)
     http = engines.engines[0]

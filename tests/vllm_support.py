@@ -15,6 +15,7 @@ from reshard.adapters.vllm.extension import ReshardWorkerExtension
 from reshard.testing.engines import MAX_TOKENS, PROMPTS, engine_env, greedy, offline_llm, shutdown
 
 from .procs import GROUP_TIMEOUT_S
+from .support import group_config
 
 __all__ = ["MAX_TOKENS", "PROMPTS", "engine_env", "greedy", "make_llm", "shutdown"]
 
@@ -154,19 +155,12 @@ def fsdp_trainer(
     With ``engine_url``, rank 0 also drives that ``vllm serve`` endpoint."""
     import torch.distributed as dist
 
-    from reshard import GroupConfig, Sender
+    from reshard import Sender
     from tests.trainers import fsdp2_model, mutated_rename
 
     try:
         model = fsdp2_model(rank, world, pg_port, path, mutate=mutate)
-        cfg = GroupConfig(
-            address=address,
-            num_sources=world,
-            num_destinations=num_destinations,
-            timeout_s=GROUP_TIMEOUT_S,
-            host_store=False,
-            generation=generation,
-        )
+        cfg = group_config(address, world, num_destinations, generation=generation)
         sender = Sender(model, config=cfg, rename=mutated_rename(mutate))
         engines = None
         if engine_url and rank == 0:
@@ -282,18 +276,10 @@ def plain_trainer(
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    from reshard import GroupConfig, Sender
-    from tests import procs
+    from reshard import Sender
 
     model = AutoModelForCausalLM.from_pretrained(paths[0], dtype=torch.float32)
-    cfg = GroupConfig(
-        address=address,
-        num_sources=1,
-        num_destinations=num_destinations,
-        timeout_s=procs.GROUP_TIMEOUT_S,
-        host_store=False,
-        generation=generation,
-    )
+    cfg = group_config(address, 1, num_destinations, generation=generation)
     sender = Sender(model, config=cfg, budget_bytes=budget_bytes)
     _signal(address, trainer_ready_key(first_refit, generation))
     cache: dict[str, dict[str, torch.Tensor]] = {}

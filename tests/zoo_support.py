@@ -41,7 +41,7 @@ from typing import Any
 
 from reshard.testing.tiny import TINY, build_tiny_model
 
-from .procs import GROUP_TIMEOUT_S
+from .support import group_config
 
 ZOO = sorted(TINY)
 TWO_PHASE = {("qwen2_moe", 2), ("llama", 1)}
@@ -103,16 +103,14 @@ def trainer_push(
 ) -> dict[str, Any]:
     """One FSDP2 trainer rank: ``path`` in bf16, each decoder layer and the
     root ``fully_shard``-ed over ``world`` ranks, pushed as refit ``refit``."""
-    from reshard import GroupConfig, Sender
+    from reshard import Sender
     from tests.trainers import fsdp2_model
 
     model = fsdp2_model(rank, world, pg_port, path, dtype="bfloat16")
-    cfg = GroupConfig(
-        address=address,
-        num_sources=world,
-        num_destinations=num_destinations,
-        timeout_s=GROUP_TIMEOUT_S,
-        host_store=False,
+    cfg = group_config(
+        address,
+        world,
+        num_destinations,
         generation=generation,
         shared_memory=bool(shared_memory),
         export_sources=shared_memory == "export",
