@@ -24,7 +24,7 @@ from functools import lru_cache
 import msgspec
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from reshard.plan.box import Box
@@ -54,7 +54,7 @@ def _changed(base: torch.Tensor, density: float, seed: int) -> torch.Tensor:
     return new
 
 
-@settings(max_examples=200, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=200, deadline=None)
 @given(
     dtype=st.sampled_from(DTYPES),
     n=st.one_of(st.integers(0, 64), st.integers(65000, 140000)),
@@ -63,10 +63,17 @@ def _changed(base: torch.Tensor, density: float, seed: int) -> torch.Tensor:
     strided=st.booleans(),
     seed=st.integers(0, 1000),
 )
-def test_encodings_are_exact_smallest_and_sized_as_predicted(dtype, n, density, path, strided, seed, monkeypatch):
+def test_encodings_are_exact_smallest_and_sized_as_predicted(dtype, n, density, path, strided, seed):
     """Every path alike: the compiled CPU kernels (numba), numpy, and torch
     (what runs on a GPU)."""
-    monkeypatch.setenv("RESHARD_NUMBA", "1" if path == "compiled" else "0")
+    # A MonkeyPatch per example: the env is each example's own (a function-scoped
+    # fixture would be shared by every example Hypothesis runs).
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("RESHARD_NUMBA", "1" if path == "compiled" else "0")
+        _check_encoding(dtype, n, density, path, strided, seed)
+
+
+def _check_encoding(dtype, n: int, density: float, path: str, strided: bool, seed: int) -> None:
     g = torch.Generator().manual_seed(seed)
     raw = torch.randint(0, 2 if dtype == torch.bool else 256, (n * dtype.itemsize,), dtype=torch.uint8, generator=g)
     base = raw.view(dtype)

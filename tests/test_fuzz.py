@@ -10,7 +10,7 @@ from contextlib import contextmanager
 
 import msgspec
 import pytest
-from hypothesis import HealthCheck, example, given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from reshard.errors import MetadataError, PlanError, Problem
@@ -23,7 +23,7 @@ from reshard.transport.auth import job_keys
 
 from .strategies import problems
 
-FUZZ = settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck))
+FUZZ = settings(max_examples=300, deadline=None)
 
 LAYOUT = wire.RankLayout(
     rank=1,
@@ -185,7 +185,7 @@ def _plan_everything(src: list[Layout], dst: list[Layout], domain_of: dict[int, 
     return "ok"
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=150, deadline=None)
 @given(problems(max_ranks=3))
 def test_the_layout_check_accepts_every_valid_layout(p):
     ns = len(p.src)

@@ -14,7 +14,7 @@ import time
 
 import pytest
 import torch
-from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import Phase, given, seed, settings
 from hypothesis import strategies as st
 
 from reshard.errors import RefitError
@@ -179,17 +179,17 @@ def _knob_cases(draw) -> dict:
     return {"shape": [rows, cols], "budget": budget, "rounds": rounds}
 
 
+KNOBS_SEED = 0xF05D79FF4CD76E04F8CEB039EADB1C8940A5351374944485D74495A656FB0322B91E8FCF5CA62C7D61882356702CE888
+"""The seed the cases are drawn with: the one Hypothesis derived
+(``derandomize``) from this collector's source before it changed, so the
+cases are the ones the test always played, whatever edits come."""
+
+
 def _collect(n: int) -> list[dict]:
     found: list[dict] = []
 
-    @settings(
-        max_examples=n,
-        derandomize=True,
-        database=None,
-        phases=[Phase.generate],
-        deadline=None,
-        suppress_health_check=list(HealthCheck),
-    )
+    @seed(KNOBS_SEED)
+    @settings(max_examples=n, database=None, phases=[Phase.generate], deadline=None)
     @given(_knob_cases())
     def collect(c):
         found.append(c)
