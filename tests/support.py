@@ -12,6 +12,7 @@ hang guard that no busy machine reaches, never the thing a test asserts.
 from __future__ import annotations
 
 import os
+import re
 import time
 import zlib
 from collections.abc import Callable
@@ -80,6 +81,22 @@ def wait_for(predicate: Callable[[], T], budget_s: float, what: str) -> T:
             raise AssertionError(f"{what}: not within {budget_s:g} s")
         time.sleep(pause)
         pause = min(pause * 2, 0.2)
+
+
+def noticed(error: str, dead: int) -> bool:
+    """Whether a refit's ``error`` says it ended on an event that shows rank
+    ``dead`` gone, not on a timeout: a link to it that failed (the executor's
+    "(while exchanging with ranks [...])", or a shared-memory peer's "rank N
+    (pid P, shared memory) died"), from this rank or from the rank whose
+    abort stopped it, or the group rebuilt by the process that replaced it.
+    A timeout says "did not complete within" (the executor) or "Timed out"
+    (gloo) instead."""
+    links = re.findall(r"\(while exchanging with ranks \[([\d, ]+)\]\)", error)
+    on_link = any(dead in (int(r) for r in ranks.split(", ")) for ranks in links)
+    died = f"rank {dead} (pid " in error and "shared memory) died" in error
+    rebuilt = "the refit group was rebuilt by another rank" in error
+    timed_out = "did not complete within" in error or "Timed out" in error
+    return (on_link or died or rebuilt) and not timed_out
 
 
 def write_atomically(path: str | os.PathLike, text: str) -> None:
