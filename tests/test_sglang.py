@@ -120,12 +120,11 @@ def _hook_run(rank: int, address: str, mode: str, junk: bool) -> dict[str, Any]:
     ckpt = _checkpoint(5)
     if rank == 0:
         sender = Sender(ckpt, config=cfg, rank=0)
-        t0 = time.monotonic()
         try:
             sender.push(1)
             return {"ok": True}
         except RefitError as e:
-            return {"ok": False, "step": e.step, "error": str(e), "seconds": time.monotonic() - t0}
+            return {"ok": False, "step": e.step, "error": str(e), "agreed": e.agreed}
         finally:
             sender.close()
     from reshard.adapters.core.spec import GroupSpec
@@ -165,8 +164,9 @@ def test_hook_with_an_unlearnable_model_fails_the_plan_at_once_and_never_raises(
     server = procs.StoreServer()
     trainer, engine = procs.check(procs.run(_hook_run, 2, server.address, "constant", False, timeout=180))
     assert not trainer["ok"] and trainer["step"] == "plan", trainer
-    # The trainer learns it long before the group timeout (60 s).
-    assert trainer["seconds"] < 30
+    # The trainer learns it from the worker's verdict at the plan step, not
+    # from the group timeout: every rank reported.
+    assert trainer["agreed"], trainer
     assert "cannot refit" in trainer["error"] and "incomplete" in trainer["error"]
     [reply] = engine["replies"]
     assert not reply["ok"] and "incomplete" in reply["error"] and not reply["mixed"]
