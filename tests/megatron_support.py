@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from .procs import GROUP_TIMEOUT_S
+from .support import group_config
 
 # DeepSeek-V3-style: MLA with q LoRA, a dense first layer, routed experts
 # with a sigmoid router and expert bias, one shared expert.
@@ -323,7 +323,6 @@ def megatron_trainer(rank: int, address: str, pg_port: int, path: str, world: in
     from safetensors.torch import load_file
 
     from reshard.adapters.megatron import megatron_sender
-    from reshard.transport.group import GroupConfig
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{pg_port}", rank=rank, world_size=world)
     try:
@@ -333,9 +332,7 @@ def megatron_trainer(rank: int, address: str, pg_port: int, path: str, world: in
         init_parallel(world, 1, 1, 1)
         model = build_gpt(hf, tp=world, pp=1, ep=1, etp=1)
         load_reference(model, load_file(os.path.join(path, "model.safetensors")), hf, world)
-        cfg = GroupConfig(
-            address=address, num_sources=world, num_destinations=1, timeout_s=GROUP_TIMEOUT_S, host_store=False
-        )
+        cfg = group_config(address, world, 1)
         sender = megatron_sender(model, config=cfg, hf_config=hf)
         try:
             st = sender.push(1)

@@ -95,7 +95,6 @@ class Outcome:
     ok: bool
     value: Any = None
     error: str = ""
-    seconds: float = 0.0
     exitcode: int | None = None
 
 
@@ -129,12 +128,11 @@ def _entry(fn: Callable, rank: int, args: tuple, q, env: dict[str, str]) -> None
     import torch
 
     torch.set_num_threads(1)
-    t0 = time.monotonic()
     try:
         value = fn(rank, *args)
-        q.put((rank, True, value, "", time.monotonic() - t0))
+        q.put((rank, True, value, ""))
     except BaseException as e:
-        q.put((rank, False, None, f"{type(e).__name__}: {e}\n{traceback.format_exc()}", time.monotonic() - t0))
+        q.put((rank, False, None, f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
 
 
 class Running:
@@ -154,8 +152,8 @@ class Running:
         """The outcome once the function returned or raised (``None`` before)."""
         if self._outcome is None:
             try:
-                rank, ok, value, error, secs = self.queue.get(timeout=timeout) if timeout else self.queue.get_nowait()
-                self._outcome = Outcome(rank, ok, value, error, secs)
+                rank, ok, value, error = self.queue.get(timeout=timeout) if timeout else self.queue.get_nowait()
+                self._outcome = Outcome(rank, ok, value, error)
             except Exception:
                 return None
         return self._outcome
@@ -251,7 +249,7 @@ def check(outcomes: list[Outcome]) -> list[Any]:
 
 def _serve(rank: int, inbox, outbox, env: dict[str, str]) -> None:
     """A pool process: run ``fn(rank, *args)`` for every ``(fn, args)`` received
-    until ``None`` arrives; answer ``(ok, value or error, seconds)``."""
+    until ``None`` arrives; answer ``(ok, value or error)``."""
     _adopt(env)
     import torch
 
@@ -261,11 +259,10 @@ def _serve(rank: int, inbox, outbox, env: dict[str, str]) -> None:
         if job is None:
             return
         fn, args = job
-        t0 = time.monotonic()
         try:
-            outbox.put((True, fn(rank, *args), time.monotonic() - t0))
+            outbox.put((True, fn(rank, *args)))
         except BaseException as e:
-            outbox.put((False, f"{type(e).__name__}: {e}\n{traceback.format_exc()}", time.monotonic() - t0))
+            outbox.put((False, f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
 
 
 class Pool:
@@ -298,8 +295,8 @@ class Pool:
         for r, q in enumerate(self.outboxes):
             while True:
                 try:
-                    ok, value, secs = q.get(timeout=min(1.0, max(0.01, deadline - time.monotonic())))
-                    out.append(Outcome(r, ok, value if ok else None, "" if ok else value, secs))
+                    ok, value = q.get(timeout=min(1.0, max(0.01, deadline - time.monotonic())))
+                    out.append(Outcome(r, ok, value if ok else None, "" if ok else value))
                     break
                 except Exception:
                     if not self.procs[r].is_alive():

@@ -12,13 +12,15 @@ import json
 import os
 import signal
 import subprocess
-import time
+import threading
 import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import Any
 
 from reshard.adapters.sglang import HOOK, SglangEngines
+
+from .support import HANG_S, wait_for
 
 REPO = Path(__file__).resolve().parents[1]
 PROMPTS = [[5, 6, 7, 8, 9], [11, 12, 13, 4, 200, 31]]
@@ -88,19 +90,23 @@ class Server:
         except OSError:
             return ""
 
-    def wait_ready(self, timeout: float = 300.0) -> float:
-        t0 = time.monotonic()
-        while time.monotonic() - t0 < timeout:
+    def wait_ready(self, budget_s: float = HANG_S) -> None:
+        """Until the server generates a token (``/health_generate``); a server
+        that exits fails at once."""
+
+        def ready() -> bool:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"SGLang server exited with {self.proc.returncode}:\n{self.log_tail()}")
             try:
                 status, _ = _http("GET", self.url + "/health_generate", timeout=30)
-                if status == 200:
-                    return time.monotonic() - t0
             except (urllib.error.URLError, ConnectionError, TimeoutError):
-                pass
-            time.sleep(0.5)
-        raise RuntimeError(f"SGLang server not ready after {timeout}s:\n{self.log_tail()}")
+                return False
+            return status == 200
+
+        try:
+            wait_for(ready, budget_s, "the SGLang server to generate")
+        except AssertionError as e:
+            raise RuntimeError(f"{e}:\n{self.log_tail()}") from None
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -121,6 +127,54 @@ class Server:
         if status != 200:
             raise RuntimeError(f"generate: {status} {out}")
         return [o["output_ids"] for o in out]
+
+    def stream(self, prompt: list[int], max_tokens: int, started: threading.Event, out: dict[str, Any]) -> None:
+        """A streamed greedy generation: ``started`` is set at its first
+        tokens; ``out`` gets its tokens and its last ``meta_info`` (or
+        ``error``)."""
+        body = {
+            "input_ids": prompt,
+            "sampling_params": {"temperature": 0.0, "max_new_tokens": max_tokens, "ignore_eos": True},
+            "stream": True,
+        }
+        req = urllib.request.Request(
+            self.url + "/generate", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+        )
+        last: dict[str, Any] = {}
+        try:
+            with urllib.request.urlopen(req, timeout=HANG_S) as r:
+                for raw in r:
+                    line = raw.decode().strip()
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    last = json.loads(line[6:])
+                    started.set()
+            # Each chunk carries every token so far (SGLang's default, not incremental).
+            out["tokens"], out["meta_info"] = last["output_ids"], last["meta_info"]
+        except Exception as e:
+            out["error"] = f"{type(e).__name__}: {e}"
+            started.set()
+
+    def pause(self, mode: str) -> None:
+        """``/pause_generation``: ``in_place`` freezes running requests where
+        they are; ``retract`` moves them back to the waiting queue."""
+        status, out = _http("POST", self.url + "/pause_generation", {"mode": mode})
+        if status != 200:
+            raise RuntimeError(f"pause_generation: {status} {out}")
+
+    def resume(self) -> None:
+        status, out = _http("POST", self.url + "/continue_generation", {})
+        if status != 200:
+            raise RuntimeError(f"continue_generation: {status} {out}")
+
+    def running(self) -> int:
+        """Requests the scheduler runs, as of its last step (``/v1/loads``;
+        a paused scheduler takes no step, so it still counts a request it
+        froze mid-generation)."""
+        status, out = _http("GET", self.url + "/v1/loads?include=core")
+        if status != 200:
+            raise RuntimeError(f"v1/loads: {status} {out}")
+        return sum(int(load["num_running_reqs"]) for load in out["loads"])
 
     def checksums(self) -> list[dict[str, str]]:
         """Per TP rank, SGLang's own checksum of every parameter (``/weights_checker``)."""
@@ -198,7 +252,7 @@ class Trainers:
         """Every rank pushes; with ``drive`` (a server URL), rank 0 drives it too."""
         self.pool.submit(sglang_trainer_push, self.world, self.port, str(path), config, refit, mutate, drive, dtype)
 
-    def results(self, timeout: float = 240.0) -> list[dict[str, Any]]:
+    def results(self, timeout: float = HANG_S) -> list[dict[str, Any]]:
         from tests import procs
 
         return procs.check(self.pool.wait(timeout))
@@ -222,42 +276,25 @@ def refit_with_trainers(
     """One refit: the trainer ranks push while the driver (here, or trainer
     rank 0 through ``Sender.push(engines=...)``) drives the server."""
     from reshard import GroupConfig
-    from tests import procs
+    from tests.support import group_kwargs
 
-    config = dict(
-        address=address,
-        num_sources=trainers.world,
-        num_destinations=server.tp,
-        timeout_s=procs.GROUP_TIMEOUT_S,
-        host_store=False,
-        generation=generation,
-    )
+    config = group_kwargs(address, trainers.world, server.tp, generation=generation)
     if trainer_drives:
-        t0 = time.monotonic()
         trainers.start_push(path, config, refit, mutate, drive=server.url, dtype=dtype)
         results = trainers.results()
         return {
             "replies": results[0].get("engine_stats"),
             "error": None if all(r["ok"] for r in results) else results[0].get("error"),
             "trainers": results,
-            "seconds": time.monotonic() - t0,
             "paused": False,
         }
     trainers.start_push(path, config, refit, mutate, dtype=dtype)
     engines = SglangEngines([server.url])
     engines.init(GroupConfig(**config))
-    t0 = time.monotonic()
     error: BaseException | None = None
     replies = None
     try:
         replies = [r.to_builtins() for r in engines.refit(refit)]
     except Exception as e:
         error = e
-    seconds = time.monotonic() - t0
-    return {
-        "replies": replies,
-        "error": error,
-        "trainers": trainers.results(),
-        "seconds": seconds,
-        "paused": engines.paused,
-    }
+    return {"replies": replies, "error": error, "trainers": trainers.results(), "paused": engines.paused}

@@ -24,7 +24,7 @@ from functools import lru_cache
 import msgspec
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from reshard.plan import delta_format as F
@@ -34,10 +34,9 @@ from reshard.plan.specs import PieceSpec, build_layout
 from reshard.receiver import Receiver
 from reshard.sender import Sender
 from reshard.transport import encoding as E
-from reshard.transport.group import GroupConfig
 
 from . import procs
-from .test_transport import _collect, expand, global_tensor, local_view, make_locals
+from .support import collect_problems, encode_problem, expand, global_tensor, group_config, local_view, make_locals
 
 # -- encodings -------------------------------------------------------------------------
 
@@ -56,7 +55,7 @@ def _changed(base: torch.Tensor, density: float, seed: int) -> torch.Tensor:
     return new
 
 
-@settings(max_examples=200, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=200, deadline=None)
 @given(
     dtype=st.sampled_from(DTYPES),
     n=st.one_of(st.integers(0, 64), st.integers(65000, 140000)),
@@ -65,10 +64,17 @@ def _changed(base: torch.Tensor, density: float, seed: int) -> torch.Tensor:
     strided=st.booleans(),
     seed=st.integers(0, 1000),
 )
-def test_encodings_are_exact_smallest_and_sized_as_predicted(dtype, n, density, path, strided, seed, monkeypatch):
+def test_encodings_are_exact_smallest_and_sized_as_predicted(dtype, n, density, path, strided, seed):
     """Every path alike: the compiled CPU kernels (numba), numpy, and torch
     (what runs on a GPU)."""
-    monkeypatch.setenv("RESHARD_NUMBA", "1" if path == "compiled" else "0")
+    # A MonkeyPatch per example: the env is each example's own (a function-scoped
+    # fixture would be shared by every example Hypothesis runs).
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("RESHARD_NUMBA", "1" if path == "compiled" else "0")
+        _check_encoding(dtype, n, density, path, strided, seed)
+
+
+def _check_encoding(dtype, n: int, density: float, path: str, strided: bool, seed: int) -> None:
     g = torch.Generator().manual_seed(seed)
     raw = torch.randint(0, 2 if dtype == torch.bool else 256, (n * dtype.itemsize,), dtype=torch.uint8, generator=g)
     base = raw.view(dtype)
@@ -209,16 +215,7 @@ def run_refits(rank: int, port: int, encoded: list[bytes], budget: int) -> list[
         domains = msgspec.convert(p["domains"], dict[int, int])
         if rank not in domains:
             continue
-        cfg = GroupConfig(
-            address=f"127.0.0.1:{port}",
-            job=f"d{i}",
-            num_sources=len(src),
-            num_destinations=len(dst),
-            timeout_s=procs.GROUP_TIMEOUT_S,
-            domain=f"d{domains[rank]}",
-            host_store=False,
-            delta=True,
-        )
+        cfg = group_config(f"127.0.0.1:{port}", len(src), len(dst), job=f"d{i}", domain=f"d{domains[rank]}", delta=True)
         if rank < len(src):
             lay = src[rank]
             items = expand(lay)
@@ -264,9 +261,9 @@ def run_refits(rank: int, port: int, encoded: list[bytes], budget: int) -> list[
 
 @pytest.mark.slow
 def test_random_layouts_and_sparse_updates_over_five_refits_are_bit_exact_and_sized_as_encoded():
-    found = _collect(30)
+    found = collect_problems(30)
     assert len(found) >= 20
-    blobs = [msgspec.msgpack.encode({"src": p.src, "dst": p.dst, "domains": p.domain_of}) for p in found]
+    blobs = [encode_problem(p) for p in found]
     world = max(len(p.ranks) for p in found)
     server = procs.StoreServer()
     out = procs.check(procs.run(run_refits, world, server.port, blobs, 8192, timeout=600))
@@ -315,12 +312,10 @@ def _fencing(rank: int, address: str, scenario: str) -> list[dict]:
     """2 trainer ranks (rows of ``w``, halves of ``b``) and 2 engine workers
     (columns of ``w``, halves of ``b``), six refits, ``scenario`` striking
     before refit 3 (see the test)."""
-    cfg = GroupConfig(
-        address=address,
-        num_sources=2,
-        num_destinations=2,
-        timeout_s=procs.GROUP_TIMEOUT_S,
-        host_store=False,
+    cfg = group_config(
+        address,
+        2,
+        2,
         job=f"fence-{scenario}",
         delta=True,
         delta_budget_bytes=300_000 if scenario == "budget" else None,

@@ -7,13 +7,13 @@ import math
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from reshard.plan.box import Box, chunk_range
 from reshard.plan.flat import flat_range_boxes
 
-SETTINGS = settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+SETTINGS = settings(max_examples=400, deadline=None)
 LIMIT = 1 << 18
 """Largest tensor drawn (elements), so the brute-force map stays small."""
 

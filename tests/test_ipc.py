@@ -27,6 +27,7 @@ from reshard.transport.ipc import CudaExporter
 from reshard.transport.links import no_wire_problems
 
 from . import procs
+from .support import group_config
 
 CONFIG = {
     "model_type": "llama",
@@ -210,14 +211,7 @@ def _colocated_gpu(rank: int, address: str, refits: list[int]) -> list[dict]:
         g = torch.Generator().manual_seed(n)
         return torch.randn(meta.shape, generator=g).to(torch.bfloat16).cuda()
 
-    cfg = GroupConfig(
-        address=address,
-        num_sources=2,
-        num_destinations=2,
-        timeout_s=procs.GROUP_TIMEOUT_S,
-        host_store=False,
-        shared_memory=True,
-    )
+    cfg = group_config(address, 2, 2, shared_memory=True)
     out = []
     if rank < 2:
         local = full(1)[rank * 128 : (rank + 1) * 128].clone()

@@ -24,6 +24,7 @@ from reshard.plan.layout import Slot, TensorMeta
 
 from . import procs
 from .megatron_support import hf_config
+from .support import group_config
 
 # The test process never imports Megatron itself (its ranks do): a spec lookup is enough.
 needs_megatron = pytest.mark.skipif(
@@ -48,16 +49,8 @@ SCENARIOS = {
 
 
 def _group(address: str, job: str):
-    from reshard.transport.group import GroupConfig
 
-    return GroupConfig(
-        address=address,
-        job=job,
-        num_sources=TRAINERS,
-        num_destinations=RECEIVERS,
-        timeout_s=procs.GROUP_TIMEOUT_S,
-        host_store=False,
-    )
+    return group_config(address, TRAINERS, RECEIVERS, job=job)
 
 
 def _trainer(rank: int, address: str, pg_port: int, paths: dict[str, str]) -> dict:
@@ -236,7 +229,7 @@ def _merged(pairs) -> dict[str, list[Box]]:
 def test_plan_rules_give_the_adapters_layouts(world, name):
     from reshard.costmodel.rules import TrainerSpec, trainer_layouts
 
-    from .test_transport import expand
+    from .support import expand
 
     sc = SCENARIOS[name]
     table = world.tables[sc["kind"]]
@@ -333,7 +326,7 @@ def test_legacy_grouped_gemm_weights(etp):
         ref[p + "gate_proj.weight"] = torch.randn(ffn, hidden, generator=g)
         ref[p + "up_proj.weight"] = torch.randn(ffn, hidden, generator=g)
         ref[p + "down_proj.weight"] = torch.randn(hidden, ffn, generator=g)
-    from .test_transport import local_view
+    from .support import local_view
 
     covered: dict[str, int] = {}
     for r in range(etp):
@@ -380,7 +373,7 @@ def test_plan_rules_for_qkv_match_the_adapter(heads, groups, tp):
     fused rows. The rules give the same boxes, or refuse when no grid can."""
     from reshard.costmodel.rules import TrainerSpec, trainer_layouts
 
-    from .test_transport import expand
+    from .support import expand
 
     hd, hidden = 4, 8
     table = (

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import Counter
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from reshard.errors import PlanError
@@ -16,7 +16,7 @@ from reshard.plan.planner import Planner
 from .oracle import check_destinations, execute, slots_by_rank
 from .strategies import problems
 
-SETTINGS = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+SETTINGS = settings(max_examples=300, deadline=None)
 
 
 def _planner(p, *, domains: bool, round_bytes: int, split_bytes: int = 1 << 30) -> Planner:
@@ -87,7 +87,7 @@ def test_network_bytes_equal_the_lower_bound(p, round_bytes):
     assert planner.traffic().network_bytes == _needed_not_held(planner, p.domain_of)
 
 
-@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=200, deadline=None)
 @given(problems(allow_drop=True))
 def test_uncovered_bytes_are_rejected_before_planning(p):
     planner = _planner(p, domains=True, round_bytes=64)

@@ -12,10 +12,9 @@ from reshard.costmodel.rules import EngineSpec, engine_layouts
 from reshard.models.names import CheckpointNames
 from reshard.receiver import Receiver
 from reshard.sender import Sender
-from reshard.transport.group import GroupConfig
 
 from . import procs
-from .test_transport import expand, local_view, make_locals
+from .support import expand, group_config, local_view, make_locals
 
 CONFIGS = {
     "qwen3_moe": dict(
@@ -84,13 +83,7 @@ def _reference(model_type: str) -> dict[str, torch.Tensor]:
 
 
 def _run(rank: int, address: str, pg_port: int, model_type: str, engine_tp: int, world: int = 2) -> dict:
-    cfg = GroupConfig(
-        address=address,
-        num_sources=world,
-        num_destinations=engine_tp,
-        timeout_s=procs.GROUP_TIMEOUT_S,
-        host_store=False,
-    )
+    cfg = group_config(address, world, engine_tp)
     if rank < world:
         import torch.distributed as dist
         from torch.distributed.device_mesh import init_device_mesh

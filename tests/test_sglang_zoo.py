@@ -26,6 +26,7 @@ import pytest
 from reshard.adapters.core.state import compare_states
 
 from . import procs
+from .support import group_config
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow, pytest.mark.sglang]
 
@@ -67,12 +68,9 @@ way in the same rotary embedding; one MLA model is started to check it."""
 
 
 def _state(server, address: str) -> list[dict[str, str]]:
-    from reshard import GroupConfig
     from reshard.adapters.sglang import SglangEngine
 
-    cfg = GroupConfig(
-        address=address, num_sources=2, num_destinations=server.tp, timeout_s=procs.GROUP_TIMEOUT_S, host_store=False
-    )
+    cfg = group_config(address, 2, server.tp)
     return SglangEngine(server.url, tp_size=server.tp).state(cfg)
 
 

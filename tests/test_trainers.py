@@ -32,6 +32,7 @@ from reshard.plan.specs import PieceSpec
 from reshard.testing.tiny import build_tiny_model
 
 from . import procs
+from .support import group_config
 from .trainer_kinds import DENSE, Trainer, checkpoint_tensors, counting_gathers, pack, trainer_dtype, unpack
 
 pytestmark = pytest.mark.slow
@@ -68,9 +69,7 @@ def _whole(names: dict[str, tuple[tuple[int, ...], str]], dtype: str, rank: int)
 
 
 def _run(rank: int, address: str, pg_port: int, kind: str, path: str) -> dict:
-    cfg = GroupConfig(
-        address=address, num_sources=2, num_destinations=1, timeout_s=procs.GROUP_TIMEOUT_S, host_store=False
-    )
+    cfg = group_config(address, 2, 1)
     if rank == 2:
         names = checkpoint_tensors(path)
         if kind.startswith(("zero3", "accelerate_zero3")) and "autoep" not in kind:

@@ -31,6 +31,7 @@ import pytest
 from reshard.testing.tiny import build_tiny_model
 
 from . import procs
+from .support import group_config
 from .trainer_kinds import DENSE, pack, trainer_dtype, unpack, write_checkpoint
 
 pytestmark = [
@@ -50,18 +51,11 @@ MOE_KINDS = ("zero3_autoep2",)
 
 
 def _trainer(rank: int, address: str, pg_port: int, kind: str, path: str, generation: int) -> dict[str, Any]:
-    from reshard import GroupConfig, Sender
+    from reshard import Sender
     from tests.trainer_kinds import Trainer, counting_gathers
 
     tr = Trainer(rank, 2, pg_port, kind, path)
-    cfg = GroupConfig(
-        address=address,
-        num_sources=2,
-        num_destinations=TP,
-        timeout_s=procs.GROUP_TIMEOUT_S,
-        host_store=False,
-        generation=generation,
-    )
+    cfg = group_config(address, 2, TP, generation=generation)
     with counting_gathers() as calls:
         sender = Sender(tr.model, config=cfg)
         sent = [sender.push(1).exec.bytes_sent]

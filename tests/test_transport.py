@@ -2,156 +2,22 @@
 
 from __future__ import annotations
 
-import zlib
-
-import msgspec
 import pytest
 import torch
-from hypothesis import HealthCheck, Phase, given, settings
 
-from reshard.plan.index import LayoutSet
-from reshard.plan.layout import Layout, Slot, TensorMeta
+from reshard.plan.layout import TensorMeta
 from reshard.receiver import Receiver
 from reshard.sender import Sender
-from reshard.transport.group import GroupConfig
 
 from . import procs
-from .strategies import problems
-
-MAX_WORLD = 5
-
-
-def global_tensor(meta: TensorMeta) -> torch.Tensor:
-    """Deterministic random bytes for a canonical tensor (any dtype, bit patterns included)."""
-    g = torch.Generator().manual_seed(zlib.crc32(meta.name.encode()))
-    dtype = getattr(torch, meta.dtype)
-    n = 1
-    for s in meta.shape:
-        n *= s
-    raw = torch.randint(0, 256, (n * dtype.itemsize,), dtype=torch.uint8, generator=g)
-    return raw.view(dtype).reshape(meta.shape)
-
-
-def expand(layout: Layout) -> list[tuple[TensorMeta, Slot]]:
-    """Every (tensor, slot) of one rank's layout, grids expanded for that rank."""
-    ls = LayoutSet.from_layouts("x", [layout])
-    out = []
-    for name, slots in ls.tensor_slots.items():
-        out += [(ls.metas[name], s) for s in slots]
-    for name, entries in ls.tensor_grids.items():
-        meta = ls.metas[name]
-        for gid, pos in entries:
-            info = ls.grids[gid]
-            for c in info.coord_of.get(layout.rank, ()):
-                s = info.slot(meta, pos, layout.rank, c)
-                if not s.box.is_empty():
-                    out.append((meta, s))
-    return out
-
-
-def local_view(t: torch.Tensor, slot: Slot, box) -> torch.Tensor:
-    offs, sizes = slot.local_box(box)
-    v = t[tuple(slice(o, o + s) for o, s in zip(offs, sizes, strict=True))]
-    kept, to_global, _ = slot.axes()
-    return v.reshape([v.shape[k] for k in kept]).permute(to_global)
-
-
-def make_locals(items, fill_from_global: bool) -> dict[str, torch.Tensor]:
-    # A local's dtype: the one any of its slots names (a cast), else its tensors'.
-    dtypes: dict[str, str] = {}
-    for meta, s in items:
-        if s.dtype or s.local not in dtypes:
-            dtypes[s.local] = s.dtype or dtypes.get(s.local) or meta.dtype
-    tensors: dict[str, torch.Tensor] = {}
-    for meta, s in items:
-        t = tensors.setdefault(s.local, torch.zeros(s.local_shape, dtype=getattr(torch, dtypes[s.local])))
-        if fill_from_global:
-            g = global_tensor(meta)[tuple(slice(o, o + n) for o, n in zip(s.box.offsets, s.box.sizes, strict=True))]
-            local_view(t, s, s.box).copy_(g)
-    return tensors
-
-
-def run_problems(rank: int, port: int, encoded: list[bytes], budget: int, shm: bool | str = False) -> list[str]:
-    """One process: play rank ``rank`` in every problem it takes part in
-    (``shm``: over shared memory, each problem's ranks split over two hosts;
-    ``"export"``: with the trainers' tensors exported to shared memory)."""
-    done = []
-    for i, blob in enumerate(encoded):
-        p = msgspec.msgpack.decode(blob, type=dict[str, object])
-        src = msgspec.convert(p["src"], list[Layout])
-        dst = msgspec.convert(p["dst"], list[Layout])
-        domains = msgspec.convert(p["domains"], dict[int, int])
-        if rank not in domains:
-            continue
-        cfg = GroupConfig(
-            address=f"127.0.0.1:{port}",
-            job=f"p{i}",
-            num_sources=len(src),
-            num_destinations=len(dst),
-            timeout_s=procs.GROUP_TIMEOUT_S,
-            domain=f"d{domains[rank]}",
-            host_store=False,
-            shared_memory=bool(shm),
-            shm_host=f"h{rank % 2}" if shm else None,
-            export_sources=shm == "export",
-        )
-        if rank < len(src):
-            lay = src[rank]
-            s = Sender.from_layout(lay, make_locals(expand(lay), True), config=cfg, budget_bytes=budget)
-            s.push(1)
-            s.close()
-        else:
-            lay = dst[rank - len(src)]
-            items = expand(lay)
-            tensors = make_locals(items, False)
-            r = Receiver(tensors, config=cfg, rank=rank, layout=lay, budget_bytes=budget)
-            stats = r.pull(1)
-            r.close()
-            assert stats.exec.peak_staging_bytes <= budget, (stats.exec.peak_staging_bytes, budget)
-            if stats.exec.direct_bytes:
-                done.append("direct")
-            for meta, sl in items:
-                want = global_tensor(meta)[
-                    tuple(slice(o, o + n) for o, n in zip(sl.box.offsets, sl.box.sizes, strict=True))
-                ]
-                got = local_view(tensors[sl.local], sl, sl.box).contiguous()
-                want = want.to(got.dtype).contiguous()  # a local of another dtype keeps the cast value
-                assert torch.equal(got.reshape(-1).view(torch.uint8), want.reshape(-1).view(torch.uint8)), (
-                    f"problem {i} rank {rank}: {meta.name}{sl.box} differs"
-                )
-        done.append(f"p{i}")
-    return done
-
-
-def _collect(n: int) -> list:
-    found: list = []
-
-    @settings(
-        max_examples=n,
-        derandomize=True,
-        database=None,
-        phases=[Phase.generate],
-        deadline=None,
-        suppress_health_check=list(HealthCheck),
-    )
-    @given(problems(max_ranks=3))
-    def collect(p):
-        if len(p.ranks) <= MAX_WORLD:
-            found.append(p)
-
-    collect()
-    return found
-
-
-def _encode(p) -> bytes:
-    return msgspec.msgpack.encode({"src": p.src, "dst": p.dst, "domains": p.domain_of})
+from .support import collect_problems, encode_problem, global_tensor, group_config, relayouts, run_problems
 
 
 @pytest.mark.slow
 def test_random_layouts_move_bit_exactly_over_gloo():
-    found = _collect(40)
+    found = collect_problems(40)
     assert len(found) >= 20
-    blobs = [_encode(p) for p in found]
+    blobs = [encode_problem(p) for p in found]
     world = max(len(p.ranks) for p in found)
     # A small staging budget makes planning shrink rounds and stage in pieces.
     server = procs.StoreServer()
@@ -165,7 +31,7 @@ def _two_by_two(rank: int, port: int, dtype: str) -> bool:
     from reshard.plan.box import Box
     from reshard.plan.specs import PieceSpec
 
-    cfg = GroupConfig(address=f"127.0.0.1:{port}", num_sources=2, num_destinations=2, timeout_s=procs.GROUP_TIMEOUT_S)
+    cfg = group_config(f"127.0.0.1:{port}", 2, 2, host_store=None)  # rank 0 hosts the store
     full = global_tensor(meta)
     if rank < 2:
         local = full[rank * 32 : (rank + 1) * 32].clone()
@@ -200,9 +66,7 @@ def _both_methods(rank: int, address: str) -> list[bool]:
     metas = [TensorMeta(f"layers.{i}.w", (96, 40), "bfloat16") for i in range(3)] + [
         TensorMeta("norm.weight", (40,), "float32")
     ]
-    cfg = GroupConfig(
-        address=address, num_sources=2, num_destinations=3, timeout_s=procs.GROUP_TIMEOUT_S, host_store=False
-    )
+    cfg = group_config(address, 2, 3)
     results = []
     if rank < 2:
         pieces, tensors = [], {}
@@ -264,9 +128,7 @@ def _staging(rank: int, address: str) -> dict:
     from reshard.plan.specs import PieceSpec
 
     meta = TensorMeta("w", (1024, 1024), "float32")
-    cfg = GroupConfig(
-        address=address, num_sources=2, num_destinations=2, timeout_s=procs.GROUP_TIMEOUT_S, host_store=False
-    )
+    cfg = group_config(address, 2, 2)
     full = global_tensor(meta)
     budget = 256 << 10
     if rank < 2:
@@ -314,7 +176,7 @@ def _casts(rank: int, port: int, src_dtype: str, dst_dtype: str, rows: int) -> d
     from reshard.plan.specs import PieceSpec
 
     meta = TensorMeta("w", (rows, 256), src_dtype)
-    cfg = GroupConfig(address=f"127.0.0.1:{port}", num_sources=2, num_destinations=2, timeout_s=procs.GROUP_TIMEOUT_S)
+    cfg = group_config(f"127.0.0.1:{port}", 2, 2, host_store=None)  # rank 0 hosts the store
     full = torch.randn(rows, 256, generator=torch.Generator().manual_seed(3)).to(getattr(torch, src_dtype))
     half = rows // 2
     if rank < 2:
@@ -360,71 +222,9 @@ def test_float_dtypes_cast_on_arrival_bit_exactly(src, dst, rows):
         assert r["gather_broadcast"][0]
 
 
-def _relayouts(rank: int, address: str, shm: bool = False) -> list[tuple[bool, int]]:
-    """Layouts that change between refits, on one rank or on either side: every
-    rank replans (or takes the plan cached for those layouts, also on a group
-    rebuilt after ``close``) and the bytes land where the new layouts say."""
-    from reshard.plan.box import Box
-    from reshard.plan.specs import PieceSpec, build_layout
-
-    meta = TensorMeta("w", (64, 48), "float32")
-    cfg = GroupConfig(
-        address=address,
-        num_sources=2,
-        num_destinations=2,
-        timeout_s=procs.GROUP_TIMEOUT_S,
-        host_store=False,
-        shared_memory=shm,
-    )
-
-    def version(n: int) -> torch.Tensor:
-        return torch.randn(64, 48, generator=torch.Generator().manual_seed(n))
-
-    def rows(r: int, lo: int, n: int, full: torch.Tensor) -> tuple[list[PieceSpec], dict[str, torch.Tensor]]:
-        return [PieceSpec(meta, Box((lo, 0), (n, 48)), "w", (n, 48))], {"w": full[lo : lo + n].clone()}
-
-    # Refit n: (source rank 1 holds the whole tensor?, receivers split columns?)
-    steps = {1: (False, False), 2: (False, False), 3: (True, False), 4: (True, False), 5: (False, False)}
-    steps[6] = (False, True)
-    out: list[tuple[bool, int]] = []
-    if rank < 2:
-        pieces, tensors = rows(rank, rank * 32, 32, version(1))
-        s = Sender.from_pieces(pieces, tensors, config=cfg, rank=rank)
-        for n, (whole, _) in steps.items():
-            if n == 4:
-                s.close()  # the next push joins a rebuilt group
-            if rank == 1:
-                pieces, tensors = rows(rank, 0, 64, version(n)) if whole else rows(rank, 32, 32, version(n))
-                s.set_layout(build_layout(rank, pieces), tensors)
-            else:
-                s.session.tensors["w"].copy_(version(n)[:32])
-            s.push(n)
-            out.append((True, s.session.plans_made))
-        s.close()
-        return out
-    j = rank - 2
-    r = None
-    for n, (_, columns) in steps.items():
-        box = Box((0, j * 24), (64, 24)) if columns else Box((j * 32, 0), (32, 48))
-        piece = PieceSpec(meta, box, "w", box.sizes)
-        dst = torch.zeros(box.sizes)
-        if r is None:
-            r = Receiver({"w": dst}, [piece], config=cfg, rank=rank)
-        else:
-            if n == 4:
-                r.close()
-            r.set_layout(build_layout(rank, [piece]), {"w": dst})
-        r.pull(n)
-        want = version(n)[tuple(slice(o, o + k) for o, k in zip(box.offsets, box.sizes, strict=True))]
-        out.append((torch.equal(dst, want), r.session.plans_made))
-    assert r is not None
-    r.close()
-    return out
-
-
 def test_a_layout_change_on_any_rank_replans_and_plans_are_cached_by_layouts():
     server = procs.StoreServer()
-    out = procs.check(procs.run(_relayouts, 4, server.address, reuse=True))
+    out = procs.check(procs.run(relayouts, 4, server.address, reuse=True))
     for rank, per_refit in enumerate(out):
         assert all(ok for ok, _ in per_refit), (rank, per_refit)
         # Plans made by refit 1..6: the same layouts reuse the plan (2), one

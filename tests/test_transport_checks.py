@@ -3,18 +3,17 @@ against their metadata, per-rank knobs agreed at join, the role split.
 
 Each case runs 2 trainer ranks and 2 engine ranks in real processes over
 gloo. A bad input makes every rank raise a :class:`RefitError` naming the
-tensor, the dtypes or values and the ranks, within seconds; destination
-tensors keep their old bytes; no process dies by a signal; and the next
-refit on the same group succeeds.
+tensor, the dtypes or values and the ranks, agreed by every rank (each
+reported its verdict: none waited out a timeout); destination tensors keep
+their old bytes; no process dies by a signal; and the next refit on the
+same group succeeds.
 """
 
 from __future__ import annotations
 
-import time
-
 import pytest
 import torch
-from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import Phase, given, seed, settings
 from hypothesis import strategies as st
 
 from reshard.errors import RefitError
@@ -23,9 +22,9 @@ from reshard.plan.layout import TensorMeta
 from reshard.plan.specs import PieceSpec
 from reshard.receiver import Receiver
 from reshard.sender import Sender
-from reshard.transport.group import GroupConfig
 
 from . import procs
+from .support import HANG_S, group_config
 
 SIZES = {"small": (8, 6), "large": (1024, 512)}
 """``small``: packed, staged messages; ``large``: 1 MiB halves, received
@@ -41,14 +40,11 @@ def _fault_scenario(rank: int, address: str, case: str, side: str, size: str) ->
     same refit again with the fault gone, on the same Sender / Receiver."""
     shape = SIZES[size]
     meta = TensorMeta("model.w", shape, "float32")
-    cfg = GroupConfig(
-        address=address, num_sources=2, num_destinations=2, timeout_s=procs.GROUP_TIMEOUT_S, host_store=False
-    )
+    cfg = group_config(address, 2, 2)
     full = _full(shape)
     half = shape[0] // 2
     out: dict = {"rank": rank}
     bad_rank = 0 if side == "trainer" else 2
-    t0 = time.monotonic()
     if rank < 2:
         # Replicas: each trainer rank holds the whole tensor (a plain dict source).
         tensors = {"model.w": full.clone()}
@@ -61,7 +57,7 @@ def _fault_scenario(rank: int, address: str, case: str, side: str, size: str) ->
             sender.push(1)
             out["first"] = "ok"
         except RefitError as e:
-            out.update(first=str(e), step=e.step, seconds=time.monotonic() - t0)
+            out.update(first=str(e), step=e.step, agreed=e.agreed)
         tensors["model.w"] = full.clone()
         sender.push(1)
         sender.close()
@@ -85,7 +81,7 @@ def _fault_scenario(rank: int, address: str, case: str, side: str, size: str) ->
         recv.pull(1, destinations=override)
         out["first"] = "ok"
     except RefitError as e:
-        out.update(first=str(e), step=e.step, seconds=time.monotonic() - t0)
+        out.update(first=str(e), step=e.step, agreed=e.agreed)
     out["untouched"] = bool((dst == 0).all()) and (override is None or bool((override["w"] == 0).all()))
     recv.pull(1)
     out["exact"] = torch.equal(dst, full[j * half : (j + 1) * half])
@@ -110,7 +106,7 @@ def test_a_bad_local_tensor_fails_every_rank_at_plan_and_the_next_refit_works(ca
     if case == "shape" and size == "small":
         needle = needle.replace("[513, 512]", "[5, 6]").replace("[512, 512]", "[4, 6]")
     server = procs.StoreServer()
-    outcomes = procs.run(_fault_scenario, 4, server.address, case, side, size, timeout=120, reuse=True)
+    outcomes = procs.run(_fault_scenario, 4, server.address, case, side, size, timeout=HANG_S, reuse=True)
     assert [o.exitcode for o in outcomes] == [0, 0, 0, 0], [(o.exitcode, o.error) for o in outcomes]
     results = procs.check(outcomes)
     for r in results:
@@ -121,7 +117,7 @@ def test_a_bad_local_tensor_fails_every_rank_at_plan_and_the_next_refit_works(ca
         if case == "dtype" and side == "trainer":
             assert "bfloat16, rank 1 says shape" in r["first"] and r["first"].endswith("float32"), r["first"]
         assert "model.w" in r["first"]
-        assert r["seconds"] < 25, r  # agreed at the plan step, not at the 30 s timeout
+        assert r["agreed"], r  # every rank reported its verdict at the plan step: none timed out
     for r in results[2:]:
         assert r["untouched"], r
         assert r["exact"], r
@@ -133,14 +129,7 @@ def _knobs_scenario(rank: int, address: str, cases: list[dict]) -> list[str]:
     for i, c in enumerate(cases):
         shape = tuple(c["shape"])
         meta = TensorMeta("model.w", shape, "float32")
-        cfg = GroupConfig(
-            address=address,
-            job=f"k{i}",
-            num_sources=2,
-            num_destinations=2,
-            timeout_s=procs.GROUP_TIMEOUT_S,
-            host_store=False,
-        )
+        cfg = group_config(address, 2, 2, job=f"k{i}")
         full = _full(shape)
         knobs = {"budget_bytes": c["budget"][rank], "round_bytes": c["rounds"][rank]}
         try:
@@ -187,17 +176,17 @@ def _knob_cases(draw) -> dict:
     return {"shape": [rows, cols], "budget": budget, "rounds": rounds}
 
 
+KNOBS_SEED = 0xF05D79FF4CD76E04F8CEB039EADB1C8940A5351374944485D74495A656FB0322B91E8FCF5CA62C7D61882356702CE888
+"""The seed the cases are drawn with: the one Hypothesis derived
+(``derandomize``) from this collector's source before it changed, so the
+cases are the ones the test always played, whatever edits come."""
+
+
 def _collect(n: int) -> list[dict]:
     found: list[dict] = []
 
-    @settings(
-        max_examples=n,
-        derandomize=True,
-        database=None,
-        phases=[Phase.generate],
-        deadline=None,
-        suppress_health_check=list(HealthCheck),
-    )
+    @seed(KNOBS_SEED)
+    @settings(max_examples=n, database=None, phases=[Phase.generate], deadline=None)
     @given(_knob_cases())
     def collect(c):
         found.append(c)
@@ -212,7 +201,7 @@ def test_per_rank_budgets_and_rounds_give_one_agreed_plan():
     plan step with a clear error; never hung, never aborted."""
     cases = _collect(30)
     server = procs.StoreServer()
-    outcomes = procs.run(_knobs_scenario, 4, server.address, cases, timeout=600, reuse=True)
+    outcomes = procs.run(_knobs_scenario, 4, server.address, cases, timeout=HANG_S, reuse=True)
     assert [o.exitcode for o in outcomes] == [0, 0, 0, 0], [(o.exitcode, o.error) for o in outcomes]
     results = procs.check(outcomes)
     # Every rank reached the same verdict on every case.
@@ -223,9 +212,10 @@ def test_per_rank_budgets_and_rounds_give_one_agreed_plan():
 def _split_scenario(rank: int, address: str) -> dict:
     # Rank 3 was started with another split of the same world size.
     s, d = (3, 1) if rank == 3 else (2, 2)
-    cfg = GroupConfig(address=address, num_sources=s, num_destinations=d, timeout_s=30, host_store=False)
+    # Every hello must arrive for the verdict (a join that must succeed): the
+    # group timeout is a hang guard; the refusal itself is agreed at once.
+    cfg = group_config(address, s, d)
     meta = TensorMeta("model.w", (8, 6), "float32")
-    t0 = time.monotonic()
     dst = torch.zeros(8, 6)
     try:
         if rank < s:
@@ -235,7 +225,7 @@ def _split_scenario(rank: int, address: str) -> dict:
         else:
             Receiver({"w": dst}, [PieceSpec(meta, Box((0, 0), (8, 6)), "w", (8, 6))], config=cfg, rank=rank).pull(1)
     except RefitError as e:
-        return {"step": e.step, "error": str(e), "seconds": time.monotonic() - t0, "untouched": bool((dst == 0).all())}
+        return {"step": e.step, "error": str(e), "agreed": e.agreed, "untouched": bool((dst == 0).all())}
     return {"step": None}
 
 
@@ -247,7 +237,7 @@ def test_a_rank_with_another_role_split_is_refused_at_join():
         assert "ranks disagree on the group's role split" in r["error"], r["error"]
         assert "2 sources + 2 destinations on rank(s) 0-2" in r["error"], r["error"]
         assert "3 sources + 1 destinations on rank(s) 3" in r["error"], r["error"]
-        assert r["seconds"] < 25  # at the join, not at the 30 s timeout
+        assert r["agreed"], r  # every rank read every hello at the join: none timed out
         assert r["untouched"]
 
 

@@ -103,7 +103,8 @@ def test_a_bad_update_is_a_clear_error_and_keeps_the_old_weights(run):
         error = t["steps"][2]["error"]
         assert error is not None
         assert "model.norm.weight" in error and "'plan'" in error, error
-        assert t["steps"][2]["seconds"] < 30, t["steps"][2]
+        # Refused on every rank's verdict at the plan step; none waited out the timeout.
+        assert "did not report" not in error, error
     assert run["trainers"][0]["steps"][2]["tokens"] == run["fresh_v2"]
 
 

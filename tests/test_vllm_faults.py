@@ -9,6 +9,7 @@ import pytest
 from reshard.testing.tiny import build_tiny_model
 
 from . import procs
+from .support import noticed
 from .vllm_support import faults_scenario
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
@@ -54,8 +55,8 @@ def test_trainer_crash_mid_transfer_default_mode_is_never_silent(run):
     # their new weights. The worker says so, in the error and in its status.
     c = run["default"]["crashed"]
     assert c["exitcode"] == 3
-    # Well before a hang (the span includes the trainer process starting up).
-    assert c["error"] is not None and c["seconds"] < 120
+    # Noticed from the dead trainer's link, not from the group timeout.
+    assert c["error"] is not None and noticed(c["error"], 0), c["error"]
     assert c["status"]["mixed"]
     assert "mixes old and new weights until a refit succeeds" in c["error"]
 
@@ -63,7 +64,7 @@ def test_trainer_crash_mid_transfer_default_mode_is_never_silent(run):
 def test_trainer_crash_mid_transfer_atomic_mode_keeps_every_old_weight(run):
     c = run["atomic"]["crashed"]
     assert c["exitcode"] == 3
-    assert c["error"] is not None and c["seconds"] < 120
+    assert c["error"] is not None and noticed(c["error"], 0), c["error"]
     assert not c["status"]["mixed"]
     assert c["same_as_before"]
 

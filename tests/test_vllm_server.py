@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 import urllib.request
 
 import pytest
@@ -15,6 +14,7 @@ from reshard import GroupConfig
 from reshard.testing.tiny import build_tiny_model
 
 from . import procs
+from .support import HANG_S, group_config, wait_for
 from .vllm_support import (
     MAX_TOKENS,
     PROMPTS,
@@ -43,7 +43,13 @@ def server(tmp_path_factory):
         tp=1,
         dtype="float32",
         log=str(root / "server.log"),
-        args=["--worker-extension-cls", "reshard.adapters.vllm.ReshardWorkerExtension"],
+        # --enable-server-load-tracking: /load counts the requests the server
+        # holds, so a test sees a request arrive while generation is paused.
+        args=[
+            "--worker-extension-cls",
+            "reshard.adapters.vllm.ReshardWorkerExtension",
+            "--enable-server-load-tracking",
+        ],
     )
     try:
         # The server starts on v1: these are a fresh server's tokens on v1.
@@ -89,9 +95,9 @@ def _send_all(url: str, model: str, prompts: list[list[int]], done: dict, key: s
 
     def one(i: int) -> None:
         try:
-            done[key][i] = (_complete(url, model, prompts[i], LONG), time.monotonic())
+            done[key][i] = _complete(url, model, prompts[i], LONG)
         except Exception as e:
-            done[key][i] = (f"{type(e).__name__}: {e}", time.monotonic())
+            done[key][i] = f"{type(e).__name__}: {e}"
 
     threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(len(prompts))]
     for t in threads:
@@ -124,7 +130,7 @@ def _stream(url: str, model: str, prompt: list[int], max_tokens: int, started: t
                 for choice in json.loads(line[6:]).get("choices", []):
                     tokens.extend(choice.get("token_ids") or [])
                 started.set()
-        out["tokens"], out["done_at"] = tokens, time.monotonic()
+        out["tokens"] = tokens
     except Exception as e:
         out["error"] = f"{type(e).__name__}: {e}"
         started.set()
@@ -140,6 +146,24 @@ def _running(url: str) -> int:
     raise AssertionError("the server publishes no vllm:num_requests_running gauge")
 
 
+def _load(url: str) -> int:
+    """Generation requests the server holds and has not answered (``/load``:
+    counted from the moment its handler takes one until its answer is sent,
+    whether or not the engine is paused)."""
+    with urllib.request.urlopen(f"{url}/load", timeout=30) as r:
+        return int(json.loads(r.read())["server_load"])
+
+
+def _send_while_paused(url: str, model: str, prompt: list[int], done: dict, key: str) -> list[threading.Thread]:
+    """Send ``prompt`` to a paused server and return once the server holds
+    it: the server holds nothing else (``/load`` 0), then this one (1)."""
+    assert _is_paused(url)
+    wait_for(lambda: _load(url) == 0, HANG_S, "the server to answer every earlier request")
+    threads = _send_all(url, model, [prompt], done, key)
+    wait_for(lambda: _load(url) == 1, HANG_S, "the server to take the request")
+    return threads
+
+
 def _frozen_mid_generation(http, url: str, model: str, prompt: list[int]) -> tuple[threading.Thread, dict]:
     """A streamed request of STREAMED tokens, frozen mid-generation: once its
     first tokens arrived the server is paused in ``keep`` mode (caches kept,
@@ -150,12 +174,12 @@ def _frozen_mid_generation(http, url: str, model: str, prompt: list[int]) -> tup
         started, out = threading.Event(), {}
         streaming = threading.Thread(target=_stream, args=(url, model, prompt, STREAMED, started, out), daemon=True)
         streaming.start()
-        assert started.wait(timeout=120)
+        assert started.wait(timeout=HANG_S)
         http.pause("keep", clear_cache=False)
         if _running(url) == 1:
             return streaming, out
         http.resume()
-        streaming.join(timeout=120)
+        streaming.join(timeout=HANG_S)
     raise AssertionError("a streamed request finished before the server could be paused, 30 times")
 
 
@@ -174,9 +198,7 @@ def test_refit_while_requests_generate_pause_swap_resume(server):
     target = server["v1"]  # the first test left v2 in the server
 
     store = procs.StoreServer()
-    cfg = GroupConfig(
-        address=store.address, num_sources=1, num_destinations=1, timeout_s=procs.GROUP_TIMEOUT_S, host_store=False
-    )
+    cfg = group_config(store.address, 1, 1)
     engines = VllmEngines([url])
     engines.init(cfg)
     http = engines.engines[0]
@@ -190,19 +212,19 @@ def test_refit_while_requests_generate_pause_swap_resume(server):
     # released into a ``wait`` pause, which returns once it is done.
     streaming, early = _frozen_mid_generation(http, url, model, prompt)
     http.pause("wait")
-    late = _send_all(url, model, [late_prompt], done, "late")
-    trainer.start()
-    time.sleep(1.0)
+    # Sent while paused: the server holds it, unanswered, until the refit resumes it.
+    late = _send_while_paused(url, model, late_prompt, done, "late")
     assert done["late"] == [None], "requests must wait while the engine is paused"
+    trainer.start()
     stats = engines.refit(1)  # pulls, resets the prefix cache, resumes
     for t in [*late, trainer, streaming]:
-        t.join(timeout=120)
+        t.join(timeout=HANG_S)
     assert procs.check(done["trainer"]) == [{"ok": True}]
     assert stats[0].ok
 
     assert "error" not in early, early
     assert early["tokens"] == old
-    ((late_tokens, _),) = done["late"]
+    (late_tokens,) = done["late"]
     new = _complete(url, model, late_prompt, LONG)
     assert new != old_late
     assert late_tokens == new
@@ -230,7 +252,7 @@ def test_a_server_left_with_mixed_weights_stays_paused_until_a_refit_succeeds(se
     done: dict = {}
     crash = threading.Thread(
         target=lambda: done.setdefault(
-            "crash", procs.run(plain_trainer, 1, store.address, [target], 1, 1, 0, small, 20, timeout=120)
+            "crash", procs.run(plain_trainer, 1, store.address, [target], 1, 1, 0, small, 20, timeout=HANG_S)
         ),
         daemon=True,
     )
@@ -239,30 +261,30 @@ def test_a_server_left_with_mixed_weights_stays_paused_until_a_refit_succeeds(se
     with pytest.raises(MixedWeightsError, match="stays paused until a refit succeeds") as err:
         engines.refit(1)
     assert err.value.paused
-    crash.join(timeout=120)
+    crash.join(timeout=HANG_S)
     assert done["crash"][0].exitcode == 3
     assert engines.mixed and _is_paused(url)
 
-    waiting = _send_all(url, model, [PROMPTS[0]], done, "waiting")
-    time.sleep(2.0)
+    # The server holds a request sent now, unanswered, until a refit succeeds.
+    waiting = _send_while_paused(url, model, PROMPTS[0], done, "waiting")
     assert done["waiting"] == [None], "a paused server must not generate"
 
     # The next refit rebuilds the group by itself and resumes the server.
     good = threading.Thread(
         target=lambda: done.setdefault(
-            "good", procs.run(plain_trainer, 1, store.address, [target], 1, 2, 0, small, timeout=120)
+            "good", procs.run(plain_trainer, 1, store.address, [target], 1, 2, 0, small, timeout=HANG_S)
         ),
         daemon=True,
     )
     good.start()
     store.wait(trainer_ready_key(2, 0))
     engines.refit(2)
-    good.join(timeout=120)
+    good.join(timeout=HANG_S)
     assert procs.check(done["good"]) == [{"ok": True}]
     assert not engines.mixed and not _is_paused(url)
     for t in waiting:
-        t.join(timeout=120)
-    ((result, _),) = done["waiting"]
+        t.join(timeout=HANG_S)
+    (result,) = done["waiting"]
     assert result == _complete(url, model, PROMPTS[0], LONG)
 
 
@@ -288,9 +310,7 @@ def test_two_phase_refit_serves_while_staging_and_pauses_only_to_apply(server):
     server["tokens"]["v2"] = old
     old_streamed = _complete(url, model, prompt, STREAMED)
     store = procs.StoreServer()
-    cfg = GroupConfig(
-        address=store.address, num_sources=1, num_destinations=1, timeout_s=procs.GROUP_TIMEOUT_S, host_store=False
-    )
+    cfg = group_config(store.address, 1, 1)
     engines = VllmEngines([url], two_phase=True)
     engines.init(cfg)
     http = engines.engines[0]
@@ -304,24 +324,22 @@ def test_two_phase_refit_serves_while_staging_and_pauses_only_to_apply(server):
 
     driver = threading.Thread(target=drive, daemon=True)
     driver.start()
-    deadline = time.monotonic() + 60
-    while not _staging_started(http, 1):
-        assert time.monotonic() < deadline and driver.is_alive(), done
-        time.sleep(0.1)
+    wait_for(lambda: not driver.is_alive() or _staging_started(http, 1), HANG_S, "the workers to stage refit 1")
+    assert driver.is_alive(), done
     assert not _is_paused(url)
     assert server_greedy(url) == old, "while staging, the server serves the old weights"
 
     started, streamed = threading.Event(), {}
     streaming = threading.Thread(target=_stream, args=(url, model, prompt, STREAMED, started, streamed), daemon=True)
     streaming.start()
-    assert started.wait(timeout=120)
+    assert started.wait(timeout=HANG_S)
     trainer = threading.Thread(
         target=lambda: done.setdefault("trainer", procs.run(plain_trainer, 1, store.address, [server["v1"]], 1, 1, 0)),
         daemon=True,
     )
     trainer.start()
     for t in (driver, trainer, streaming):
-        t.join(timeout=180)
+        t.join(timeout=HANG_S)
     assert "error" not in done, done["error"]
     assert procs.check(done["trainer"]) == [{"ok": True}]
     (reply,) = done["replies"]
@@ -352,7 +370,7 @@ def test_a_failure_while_staging_leaves_the_serving_weights_untouched(server):
     done: dict = {}
     crash = threading.Thread(
         target=lambda: done.setdefault(
-            "crash", procs.run(plain_trainer, 1, store.address, [server["v2"]], 1, 1, 0, small, 20, timeout=120)
+            "crash", procs.run(plain_trainer, 1, store.address, [server["v2"]], 1, 1, 0, small, 20, timeout=HANG_S)
         ),
         daemon=True,
     )
@@ -361,21 +379,21 @@ def test_a_failure_while_staging_leaves_the_serving_weights_untouched(server):
     with pytest.raises(RefitError) as err:
         engines.refit(1)
     assert not isinstance(err.value, MixedWeightsError), err.value
-    crash.join(timeout=120)
+    crash.join(timeout=HANG_S)
     assert done["crash"][0].exitcode == 3
     assert not engines.mixed and not _is_paused(url)
     assert server_greedy(url) == before
 
     good = threading.Thread(
         target=lambda: done.setdefault(
-            "good", procs.run(plain_trainer, 1, store.address, [server["v2"]], 1, 2, 0, small, timeout=120)
+            "good", procs.run(plain_trainer, 1, store.address, [server["v2"]], 1, 2, 0, small, timeout=HANG_S)
         ),
         daemon=True,
     )
     good.start()
     store.wait(trainer_ready_key(2, 0))
     (reply,) = engines.refit(2)
-    good.join(timeout=120)
+    good.join(timeout=HANG_S)
     assert procs.check(done["good"]) == [{"ok": True}]
     assert reply.stats["staged"]
     assert server_greedy(url) == server["tokens"]["v2"]
@@ -392,9 +410,7 @@ def test_a_sleeping_server_wakes_its_weights_for_the_refit_and_serves_after_it(s
 
     url = server["url"]
     store = procs.StoreServer()
-    cfg = GroupConfig(
-        address=store.address, num_sources=1, num_destinations=1, timeout_s=procs.GROUP_TIMEOUT_S, host_store=False
-    )
+    cfg = group_config(store.address, 1, 1)
     engines = VllmEngines([url], sleeping=True)
     engines.init(cfg)
     http = engines.engines[0]
@@ -408,7 +424,7 @@ def test_a_sleeping_server_wakes_its_weights_for_the_refit_and_serves_after_it(s
     http.sleep(1)
     assert http.is_sleeping()
     stats = engines.refit(2)
-    assert procs.check([trainer.outcome(120)]) == [{"ok": True}]
+    assert procs.check([trainer.outcome(HANG_S)]) == [{"ok": True}]
     assert stats[0].ok and stats[0].stats["bytes_received"] == stats[0].stats["kept_bytes"]
     assert not http.is_sleeping()
     assert server_greedy(url) == server["tokens"]["v1"]

@@ -12,6 +12,7 @@ import os
 import pytest
 
 from . import procs
+from .support import group_config
 
 
 @pytest.mark.parametrize(
@@ -86,7 +87,7 @@ def _join_with_env(rank: int, address: str) -> dict:
     import torch
     import torch.distributed as dist
 
-    from reshard.transport.group import GroupConfig, RefitGroup
+    from reshard.transport.group import RefitGroup
 
     original = dist.ProcessGroupGloo
     seen: list[str | None] = []
@@ -99,14 +100,7 @@ def _join_with_env(rank: int, address: str) -> dict:
     spy.create_default_device = original.create_default_device  # type: ignore[attr-defined]
     dist.ProcessGroupGloo = spy  # type: ignore[misc,assignment]
     try:
-        cfg = GroupConfig(
-            address=address,
-            num_sources=1,
-            num_destinations=1,
-            timeout_s=procs.GROUP_TIMEOUT_S,
-            host_store=False,
-            pg_env=_marking_env,
-        )
+        cfg = group_config(address, 1, 1, pg_env=_marking_env)
         group = RefitGroup.join(cfg, rank=rank)
         try:
             after = os.environ.get(_PG_ENV)

@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import hashlib
 import os
-import time
 from typing import Any
 
 from reshard.adapters.vllm.extension import ReshardWorkerExtension
 from reshard.testing.engines import MAX_TOKENS, PROMPTS, engine_env, greedy, offline_llm, shutdown
 
 from .procs import GROUP_TIMEOUT_S
+from .support import HANG_S, group_config, wait_for
 
 __all__ = ["MAX_TOKENS", "PROMPTS", "engine_env", "greedy", "make_llm", "shutdown"]
 
@@ -154,19 +154,12 @@ def fsdp_trainer(
     With ``engine_url``, rank 0 also drives that ``vllm serve`` endpoint."""
     import torch.distributed as dist
 
-    from reshard import GroupConfig, Sender
+    from reshard import Sender
     from tests.trainers import fsdp2_model, mutated_rename
 
     try:
         model = fsdp2_model(rank, world, pg_port, path, mutate=mutate)
-        cfg = GroupConfig(
-            address=address,
-            num_sources=world,
-            num_destinations=num_destinations,
-            timeout_s=GROUP_TIMEOUT_S,
-            host_store=False,
-            generation=generation,
-        )
+        cfg = group_config(address, world, num_destinations, generation=generation)
         sender = Sender(model, config=cfg, rename=mutated_rename(mutate))
         engines = None
         if engine_url and rank == 0:
@@ -219,9 +212,7 @@ def backend_scenario(rank: int, tp: int, v1: str, v2: str, port: int) -> dict[st
             return WeightTransferTrainerFactory.trainer_init(info, client=llm, source=ModuleSource(model))
 
         eng = trainer_engine(v2, 0)
-        t0 = time.monotonic()
         eng.send_weights()
-        out["seconds"] = time.monotonic() - t0
         eng.shutdown()
         llm.reset_prefix_cache()
         out["after"] = greedy(llm)
@@ -282,18 +273,10 @@ def plain_trainer(
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    from reshard import GroupConfig, Sender
-    from tests import procs
+    from reshard import Sender
 
     model = AutoModelForCausalLM.from_pretrained(paths[0], dtype=torch.float32)
-    cfg = GroupConfig(
-        address=address,
-        num_sources=1,
-        num_destinations=num_destinations,
-        timeout_s=procs.GROUP_TIMEOUT_S,
-        host_store=False,
-        generation=generation,
-    )
+    cfg = group_config(address, 1, num_destinations, generation=generation)
     sender = Sender(model, config=cfg, budget_bytes=budget_bytes)
     _signal(address, trainer_ready_key(first_refit, generation))
     cache: dict[str, dict[str, torch.Tensor]] = {}
@@ -365,7 +348,7 @@ def faults_scenario(rank: int, v1: str, v2: str, address: str, soak: int) -> dic
             # (Not after the last refit: the trainer is hanging up then.)
             if i < soak:
                 samples[i] = _resources()
-        out["soak"] = {"samples": samples, "peaks": peaks, "trainer": p.outcome(60).value}
+        out["soak"] = {"samples": samples, "peaks": peaks, "trainer": p.outcome(HANG_S).value}
         llm.reset_prefix_cache()
         out["soak_tokens"] = greedy(llm)  # the last refit sent paths[-1]
         out["soak_last"] = paths[-1]
@@ -387,23 +370,21 @@ def faults_scenario(rank: int, v1: str, v2: str, address: str, soak: int) -> dic
             target = v1 if out["soak_last"] == v2 else v2
             refit += 1
             p = trainer([target], refit, gen, budget_bytes=small, die_after_round=20)
-            t0 = time.monotonic()
             try:
                 pull_workers(llm, refit)
                 error = None
             except Exception as e:
                 error = str(e)
-            seconds = time.monotonic() - t0
-            exitcode = p.outcome(60).exitcode
+            exitcode = p.outcome(HANG_S).exitcode
             llm.reset_prefix_cache()
-            crashed = {"error": error, "seconds": seconds, "status": status(llm), "exitcode": exitcode}
+            crashed = {"error": error, "status": status(llm), "exitcode": exitcode}
             crashed["same_as_before"] = greedy(llm) == before
             # the next refit, after rebuilding the group (a new generation), succeeds
             init_workers(llm, {**cfg, "generation": gen + 1})
             refit += 1
             p = trainer([target], refit, gen + 1, budget_bytes=small)
             (st,) = flat(pull_workers(llm, refit))
-            p.outcome(60)
+            p.outcome(HANG_S)
             llm.reset_prefix_cache()
             out[key] = {
                 "crashed": crashed,
@@ -486,12 +467,17 @@ class VllmServer:
         ]
         self._log = open(log, "w")  # noqa: SIM115 - closed in close()
         self.proc = subprocess.Popen(cmd, env=env, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
+
+        def up() -> bool:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the vLLM server exited with {self.proc.returncode}:\n{self.log_tail()}")
+            return _http_get(f"{self.url}/health") == 200
+
         try:
-            deadline = time.monotonic() + 300
-            while _http_get(f"{self.url}/health") != 200:
-                if self.proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"the vLLM server did not come up:\n{self.log_tail()}")
-                time.sleep(1)
+            wait_for(up, HANG_S, "the vLLM server to come up")
+        except AssertionError as e:
+            self.close()
+            raise RuntimeError(f"{e}:\n{self.log_tail()}") from None
         except BaseException:
             self.close()
             raise
@@ -548,7 +534,6 @@ def weight_sync_trainer(
                 two_phase=two_phase,
             )
             step: dict[str, Any] = {}
-            t0 = time.monotonic()
             try:
                 engine = WeightTransferTrainerFactory.trainer_init(
                     info, client=HTTPVLLMWeightSyncClient(url), source=ModuleSource(model)
@@ -560,7 +545,6 @@ def weight_sync_trainer(
                     engine.shutdown()
             except Exception as e:
                 step["error"] = f"{type(e).__name__}: {e}"
-            step["seconds"] = time.monotonic() - t0
             dist.barrier()
             if rank == 0:
                 step["tokens"] = server_greedy(url)

@@ -36,12 +36,11 @@ trainers send exactly what the workers receive.
 from __future__ import annotations
 
 import os
-import time
 from typing import Any
 
 from reshard.testing.tiny import TINY, build_tiny_model
 
-from .procs import GROUP_TIMEOUT_S
+from .support import group_config
 
 ZOO = sorted(TINY)
 TWO_PHASE = {("qwen2_moe", 2), ("llama", 1)}
@@ -103,16 +102,14 @@ def trainer_push(
 ) -> dict[str, Any]:
     """One FSDP2 trainer rank: ``path`` in bf16, each decoder layer and the
     root ``fully_shard``-ed over ``world`` ranks, pushed as refit ``refit``."""
-    from reshard import GroupConfig, Sender
+    from reshard import Sender
     from tests.trainers import fsdp2_model
 
     model = fsdp2_model(rank, world, pg_port, path, dtype="bfloat16")
-    cfg = GroupConfig(
-        address=address,
-        num_sources=world,
-        num_destinations=num_destinations,
-        timeout_s=GROUP_TIMEOUT_S,
-        host_store=False,
+    cfg = group_config(
+        address,
+        world,
+        num_destinations,
         generation=generation,
         shared_memory=bool(shared_memory),
         export_sources=shared_memory == "export",
@@ -168,7 +165,6 @@ def engine_pull(
     from tests.vllm_support import flat
 
     llm = _state["llm"]
-    t0 = time.monotonic()
     init = flat(init_workers(llm, config))
     if capture:
         llm.collective_rpc("capture_begin")
@@ -183,7 +179,7 @@ def engine_pull(
         stats, error = None, str(e)
     digests = llm.collective_rpc("capture_end") if capture else None
     flush_prefix_cache(llm)
-    return {"init": init, "stats": stats, "error": error, "digests": digests, "seconds": time.monotonic() - t0}
+    return {"init": init, "stats": stats, "error": error, "digests": digests}
 
 
 def engine_load(rank: int, path: str) -> list[list[int]]:
@@ -273,7 +269,6 @@ class Zoo:
         error lands in the result."""
         v1, v2 = self.models[kind]
         out: dict[str, Any] = {"kind": kind, "tp": tp}
-        t0 = time.monotonic()
         try:
             fresh = self.host.call(engine_start, v2, tp, ENGINE_ARGS.get(kind), timeout=600)[0]
             out["fresh_v2"], out["fresh_state"] = fresh["tokens"], fresh["state"]
@@ -297,5 +292,4 @@ class Zoo:
                 self.host.call(engine_stop, timeout=120)
             except Exception as e:
                 out.setdefault("error", f"stopping the engine: {e}")
-        out["seconds"] = time.monotonic() - t0
         return out
