@@ -23,6 +23,7 @@ from reshard import GroupConfig, Receiver, Sender
 from reshard.testing.tiny import build_tiny_model
 
 from . import procs
+from .support import group_config
 from .test_trainers import _whole
 from .trainer_kinds import DENSE, Trainer, checkpoint_tensors, counting_gathers, pack, trainer_dtype, unpack
 
@@ -42,9 +43,7 @@ def model(tmp_path_factory) -> str:
 
 
 def _run(rank: int, address: str, pg_port: int, kind: str, path: str, lora: dict) -> dict:
-    cfg = GroupConfig(
-        address=address, num_sources=2, num_destinations=1, timeout_s=procs.GROUP_TIMEOUT_S, host_store=False
-    )
+    cfg = group_config(address, 2, 1)
     if rank == 2:
         pieces, local = _whole(checkpoint_tensors(path), trainer_dtype(kind), rank)
         recv = Receiver(local, pieces, config=cfg, rank=rank)

@@ -233,14 +233,16 @@ def test_an_unknown_wrapper_is_a_clear_error_on_every_rank(rank, models):
     assert "not a partition reshard knows" in msg
 
 
-def test_a_peft_model_is_refused_until_its_adapters_are_merged(models):
+def test_a_peft_model_publishes_its_base_models_checkpoint_names(models):
+    """A PEFT policy is read as its merged weights (tests/test_peft.py checks
+    the values under each trainer): the base model's names, no LoRA factor."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
     model = get_peft_model(AutoModelForCausalLM.from_pretrained(models["dense"]), LoraConfig(target_modules=["q_proj"]))
     cfg = GroupConfig(address="127.0.0.1:1", num_sources=1, num_destinations=1)
-    with pytest.raises(TypeError, match=r"rank 0: the model is a PEFT PeftModel: .*merge_and_unload"):
-        Sender(model, config=cfg)
+    names = {t.name for t in Sender(model, config=cfg).layout.tensors}
+    assert names == set(checkpoint_tensors(models["dense"]))
 
 
 def test_deepspeed_moe_experts_are_refused():
