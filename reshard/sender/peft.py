@@ -46,7 +46,7 @@ from reshard.transport.messages import local_view
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["READER", "LoraLayerInfo", "PeftPolicy", "merged_box"]
+__all__ = ["READER", "LoraLayerInfo", "PeftPolicy", "find_peft", "lora_layers", "merged_box"]
 
 _FACTOR = "\x00lora\x00"
 """Marks a LoRA factor's name in the inner description (never published)."""
@@ -190,7 +190,7 @@ def _is_peft(model: Any) -> bool:
     return any(c.__name__ == "PeftModel" and c.__module__.startswith("peft.") for c in type(model).__mro__)
 
 
-def _find_peft(model: Any) -> Any | None:
+def find_peft(model: Any) -> Any | None:
     """The PEFT model a trainer's model is or wraps (FSDP1 keeps it inside its root unit)."""
     if _is_peft(model):
         return model
@@ -208,7 +208,7 @@ def _clean(path: str) -> str:
     return (default_rename(path + ".x") or path + ".x")[:-2]
 
 
-def _layers(model: Any, rank: int) -> tuple[dict[str, dict], dict[str, str]]:
+def lora_layers(model: Any, rank: int) -> tuple[dict[str, dict], dict[str, str]]:
     """Per LoRA module path (as ``named_modules`` names it), what to merge, and
     per ``modules_to_save`` wrapper path, its active adapter. Refuses what
     cannot be merged exactly."""
@@ -313,10 +313,10 @@ def _describe(source: Any, ctx: ReadContext) -> Description | None:
     from reshard.sender.pieces import default_rename
 
     model, _ = ctx.unwrap(source) if ctx.unwrap is not None else (source, [])
-    model = _find_peft(model)
+    model = find_peft(model)
     if model is None:
         return None
-    layers, saved = _layers(model, ctx.rank)
+    layers, saved = lora_layers(model, ctx.rank)
     user = None if ctx.rename is None or ctx.rename is default_rename else ctx.rename
     pieces, grids, local = ctx.inner(source, _renamer(layers, saved, user))
     # LoRA layers by the checkpoint name of their base weight.

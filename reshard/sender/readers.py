@@ -37,7 +37,7 @@ from reshard.sender.held import Held
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["Description", "ReadContext", "TrainerReader", "known_trainers", "readers", "register_reader"]
+__all__ = ["Description", "ReadContext", "TrainerReader", "known_trainers", "readers", "register_reader", "unwrap"]
 
 Description = tuple[list[PieceSpec], list[GridSpec], "dict[str, torch.Tensor]"]
 """(pieces, grids, local tensors) of one trainer rank, in checkpoint names."""
@@ -101,3 +101,18 @@ def readers() -> tuple[TrainerReader, ...]:
 def known_trainers() -> str:
     """What ``Sender(model)`` reads, for error messages."""
     return ", ".join([*(r.name for r in _READERS), "FSDP2 / DTensor", "plain tensors"])
+
+
+def unwrap(source: Any) -> tuple[Any, list[str]]:
+    """The model inside the wrappers the registered readers unwrap, and the
+    wrappers' type names, outermost first."""
+    chain: list[str] = []
+    while True:
+        inner = None
+        for reader in _READERS:
+            if reader.unwrap is not None and (inner := reader.unwrap(source)) is not None:
+                break
+        if inner is None:
+            return source, chain
+        chain.append(type(source).__name__)
+        source = inner

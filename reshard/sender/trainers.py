@@ -30,10 +30,18 @@ from typing import TYPE_CHECKING, Any
 
 from reshard.models.names import CheckpointNames
 from reshard.plan.specs import GridSpec, PieceSpec
-from reshard.sender import deepspeed, fsdp1, peft
+from reshard.sender import deepspeed, fsdp1, lora_adapter, peft
 from reshard.sender.held import Held, held_pieces
 from reshard.sender.pieces import default_rename, describe_module
-from reshard.sender.readers import Description, ReadContext, TrainerReader, known_trainers, readers, register_reader
+from reshard.sender.readers import (
+    Description,
+    ReadContext,
+    TrainerReader,
+    known_trainers,
+    readers,
+    register_reader,
+    unwrap,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -43,7 +51,7 @@ __all__ = ["describe_trainer", "unwrap"]
 # The readers of the trainers reshard reads without extra arguments. Each
 # module registers its own on import; importing them here makes every
 # ``Sender(model)`` see them.
-_BUILTIN = (deepspeed.READER, fsdp1.READER, peft.READER)
+_BUILTIN = (deepspeed.READER, fsdp1.READER, peft.READER, lora_adapter.READER)
 
 
 def _ddp_module(obj: Any) -> Any | None:
@@ -71,21 +79,6 @@ def _refuse_megatron_shard(name: str, t: torch.Tensor, ctx: ReadContext) -> str 
 register_reader(TrainerReader(name="DistributedDataParallel", unwrap=_ddp_module))
 register_reader(TrainerReader(name="torch.compile", unwrap=_compiled_module))
 register_reader(TrainerReader(name="Megatron-Core", refuse=_refuse_megatron_shard))
-
-
-def unwrap(source: Any) -> tuple[Any, list[str]]:
-    """The model inside the wrappers reshard reads through, and the wrappers'
-    type names, outermost first."""
-    chain: list[str] = []
-    while True:
-        inner = None
-        for reader in readers():
-            if reader.unwrap is not None and (inner := reader.unwrap(source)) is not None:
-                break
-        if inner is None:
-            return source, chain
-        chain.append(type(source).__name__)
-        source = inner
 
 
 def describe_trainer(

@@ -53,12 +53,14 @@ def offline_llm(
     )
 
 
-def greedy(llm, prompts: list[list[int]] = PROMPTS, max_tokens: int = MAX_TOKENS) -> list[list[int]]:
-    """Greedy tokens of ``llm`` for ``prompts``."""
+def greedy(
+    llm, prompts: list[list[int]] = PROMPTS, max_tokens: int = MAX_TOKENS, *, lora_request: Any = None
+) -> list[list[int]]:
+    """Greedy tokens of ``llm`` for ``prompts`` (with a LoRA adapter: ``lora_request``)."""
     from vllm import SamplingParams
 
     sp = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False, lora_request=lora_request)
     return [list(o.outputs[0].token_ids) for o in outs]
 
 

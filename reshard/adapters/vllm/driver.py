@@ -172,6 +172,10 @@ class HttpEngine:
             raise ReshardError(f"vLLM server {self.url}: POST {path} failed: {e}") from e
         return json.loads(text) if text.strip() else None
 
+    def post_json(self, path: str, body: dict[str, Any]) -> Any:
+        """``POST path`` with a JSON body; the server's JSON answer (HTTP errors raise, naming the server)."""
+        return self._post(path, body)
+
     def collective_rpc(self, method: str, args: Sequence[Any] = (), timeout: float | None = None) -> list[Any]:
         """Every worker's reply; the HTTP route passes string arguments only."""
         body: dict[str, Any] = {"method": method, "args": [a if isinstance(a, str) else json.dumps(a) for a in args]}

@@ -21,6 +21,13 @@ strings only:
   or failed (the live weights are untouched); ``reshard_commit(refit)``
   applies it, with generation paused (see
   :meth:`reshard.adapters.vllm.receiver.VllmReceiver.stage`).
+- adapter-only refits (``enable_lora=True``; :mod:`reshard.adapters.vllm.lora`):
+  ``reshard_lora_init(spec, name, adapter)`` learns the slices of adapter
+  ``name`` (``adapter``: an :class:`reshard.sender.lora_adapter.AdapterSpec`
+  as JSON) this worker's LoRA layers keep, in refit group ``spec``;
+  ``reshard_lora_pull(name, refit, lora_id)`` receives refit ``refit`` of it
+  and keeps it as a version vLLM loads from ``reshard://<name>/<refit>``;
+  ``reshard_lora_drop(paths)`` forgets versions.
 - ``reshard_status()``, ``reshard_stats()``, ``reshard_close()``.
 - ``reshard_state(probe=True)``: a digest of every tensor the model's
   forward pass may read (parameters, buffers, tensors derived at load time
@@ -169,6 +176,64 @@ class ReshardWorkerExtension:
         }
         return WorkerReply(ok=True, rank=rank, stats=stats)
 
+    # -- adapter-only refits --------------------------------------------------
+
+    def _reshard_loras(self):
+        from reshard.adapters.vllm.lora import WorkerAdapters
+
+        loras = getattr(self, "_reshard_adapters", None)
+        if loras is None:
+            loras = self._reshard_adapters = WorkerAdapters(self.model_runner)
+        return loras
+
+    def reshard_lora_init(self, spec: str | dict, name: str, adapter: str | dict) -> dict[str, Any]:
+        try:
+            from reshard.adapters.vllm.lora import AdapterReceiver
+            from reshard.adapters.vllm.receiver import canonical_tensors_of
+            from reshard.sender.lora_adapter import AdapterSpec
+
+            group = GroupSpec.parse(spec)
+            loras = self._reshard_loras()
+            old = loras.receivers.pop(name, None)
+            if old is not None:
+                old.close()
+            rank = group.rank_of(int(self.rank))
+            receiver = loras.receivers[name] = AdapterReceiver(
+                loras,
+                name,
+                AdapterSpec.parse(adapter),
+                tensors=canonical_tensors_of(self.vllm_config.model_config, self.vllm_config),
+                config=group.config(),
+                rank=rank,
+                device=self.device,
+                budget_bytes=group.budget_bytes,
+            )
+            stats = {"kept_bytes": receiver.kept_bytes, "slices": len(receiver.buffers)}
+            return WorkerReply(ok=True, rank=rank, stats=stats).to_builtins()
+        except BaseException as e:
+            return failure(e).to_builtins()
+
+    def reshard_lora_pull(self, name: str, refit: int | str, lora_id: int | str, method: str = "reshard") -> dict:
+        loras = getattr(self, "_reshard_adapters", None)
+        receiver = loras.receivers.get(name) if loras is not None else None
+        try:
+            if receiver is None:
+                raise RuntimeError(f"call reshard_lora_init for adapter {name!r} first")
+            stats = receiver.pull(int(refit), int(lora_id), method=method)
+            return WorkerReply(ok=True, rank=receiver.rank, stats=stats).to_builtins()
+        except BaseException as e:
+            return failure(e, rank=receiver.rank if receiver is not None else -1).to_builtins()
+
+    def reshard_lora_drop(self, paths: str | list[str]) -> dict[str, Any]:
+        import json
+
+        try:
+            listed = json.loads(paths) if isinstance(paths, str) else list(paths)
+            dropped = self._reshard_loras().drop([str(p) for p in listed])
+            return WorkerReply(ok=True, stats={"dropped": dropped}).to_builtins()
+        except BaseException as e:
+            return failure(e).to_builtins()
+
     def reshard_stats(self) -> dict[str, Any]:
         r = getattr(self, "_reshard", None)
         return dict(r.last_stats) if r is not None else {}
@@ -178,3 +243,6 @@ class ReshardWorkerExtension:
         if r is not None:
             r.close()
             self._reshard = None
+        loras = getattr(self, "_reshard_adapters", None)
+        if loras is not None:
+            loras.close()

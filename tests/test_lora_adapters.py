@@ -1,0 +1,172 @@
+"""Adapter-only refits into a real vLLM engine's LoRA slots (``enable_lora``),
+TP=1 and TP=2, bfloat16.
+
+One trainer process holds two PEFT policies on the same base (adapters
+``alpha`` and ``beta``: r=8 on every linear layer, different seeds), each
+with a ``Sender(LoraAdapter(model))`` in a refit group of its own; one
+process owns the engine and drives a ``VllmAdapters`` per adapter. The
+adapters are refit in turn (alpha 1, beta 1, alpha 2, beta 2), the trainer
+changing its factors between refits and saving each version with PEFT's
+``save_pretrained``. After every refit:
+
+- the new version's ``LoRARequest`` generates the tokens the same engine
+  generates with that version loaded from PEFT's files (vLLM's own loader);
+- every worker received exactly the slices its LoRA layers keep (bytes
+  landed == bytes kept; at TP=2 a worker keeps less than the whole adapter),
+  and no file was written on the engine side;
+- the previous version still generates its own tokens (requests that started
+  before a swap keep their version), each version under its own name, so
+  vLLM's prefix cache (keyed by name and path) never serves another
+  version's KV.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from . import procs
+from .support import group_config
+
+pytestmark = [pytest.mark.engine, pytest.mark.slow]
+
+LORA = dict(r=8, lora_alpha=16, target_modules="all-linear", lora_dropout=0.0)
+NAMES = ("alpha", "beta")
+
+
+def _policy(path: str, seed: int):
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16), LoraConfig(**LORA))
+    _train(model, seed)
+    return model
+
+
+def _train(model, seed: int) -> None:
+    """A stand-in for an optimizer step: new seeded values in every factor."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if ".lora_" in n:
+                p.copy_(torch.randn(p.shape, generator=g).to(p.dtype) * (0.05 if ".lora_B." in n else 0.3))
+
+
+def _trainer(address: str, path: str, root: str, tp: int) -> dict:
+    from reshard import Sender
+    from reshard.sender.lora_adapter import LoraAdapter
+
+    policies = {name: _policy(path, seed) for seed, name in enumerate(NAMES)}
+    senders = {
+        name: Sender(LoraAdapter(model), config=group_config(address, 1, tp, job=name), rank=0)
+        for name, model in policies.items()
+    }
+    sent = []
+    for step in (1, 2):
+        for i, name in enumerate(NAMES):
+            if step > 1:
+                _train(policies[name], 100 * step + i)
+            policies[name].save_pretrained(os.path.join(root, f"{name}-{step}"))
+            sent.append(senders[name].push(step).exec.bytes_sent)
+    published = {name: sorted(t.name for t in s.layout.tensors) for name, s in senders.items()}
+    for s in senders.values():
+        s.close()
+    return {"sent": sent, "published": published}
+
+
+def _engine(address: str, path: str, root: str, tp: int) -> dict:
+    from vllm.lora.request import LoRARequest
+
+    from reshard.adapters.vllm.adapters import VllmAdapters
+    from reshard.sender.lora_adapter import AdapterSpec
+    from reshard.testing.engines import greedy, offline_llm, shutdown
+
+    llm = offline_llm(path, tp, dtype="bfloat16", enable_lora=True, max_loras=2, max_lora_rank=8, max_cpu_loras=3)
+    out: dict = {"refits": []}
+    try:
+        specs = {name: AdapterSpec.parse(_spec(path)) for name in NAMES}
+        drivers = {name: VllmAdapters([llm], name, specs[name]) for name in NAMES}
+        for name, d in drivers.items():
+            d.init(group_config(address, 1, tp, job=name))
+        disk_id = 900
+        for step in (1, 2):
+            for name in NAMES:
+                d = drivers[name]
+                replies = d.refit(step)
+                disk_id += 1
+                disk = LoRARequest(f"disk-{name}-{step}", disk_id, os.path.join(root, f"{name}-{step}"))
+                row = {
+                    "name": name,
+                    "step": step,
+                    "ours": greedy(llm, lora_request=d.request()),
+                    "disk": greedy(llm, lora_request=disk),
+                    "received": [int(r.stats["bytes_received"]) for r in replies],
+                    "landed": [int(r.stats["bytes_landed"]) for r in replies],
+                    "kept": [int(r.stats["kept_bytes"]) for r in replies],
+                    "lora_name": d.request().lora_name,
+                }
+                if step > 1:
+                    prev = LoRARequest(f"{name}@{step - 1}", d.versions[0][1], f"reshard://{name}/{step - 1}")
+                    row["previous"] = greedy(llm, lora_request=prev)
+                out["refits"].append(row)
+        out["base"] = greedy(llm)
+        out["engine_files"] = sorted(os.listdir(root))
+    finally:
+        shutdown(llm)
+    return out
+
+
+def _spec(path: str) -> str:
+    """The adapter spec the trainer's ``LoraAdapter(model).spec()`` makes
+    (both policies share config and modules)."""
+    from reshard.sender.lora_adapter import LoraAdapter
+
+    return LoraAdapter(_policy(path, 0)).spec().to_json()
+
+
+def _run(rank: int, address: str, path: str, root: str, tp: int) -> dict:
+    return (_trainer if rank == 0 else _engine)(address, path, root, tp)
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory) -> str:
+    from reshard.testing.tiny import build_tiny_model
+
+    return str(build_tiny_model(tmp_path_factory.mktemp("lora") / "base", "qwen2", seed=0, torch_dtype="bfloat16"))
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_adapters_refit_into_lora_slots_slice_by_slice(tp, base, tmp_path):
+    server = procs.StoreServer()
+    trainer, engine = procs.check(
+        procs.run(_run, 2, server.address, base, str(tmp_path), tp, timeout=1200, daemon=False)
+    )
+    rows = engine["refits"]
+    assert [(r["name"], r["step"]) for r in rows] == [("alpha", 1), ("beta", 1), ("alpha", 2), ("beta", 2)]
+    for r in rows:
+        assert r["ours"] == r["disk"], f"tp={tp} {r['name']}@{r['step']}: tokens differ from the files' adapter"
+        assert r["ours"] != engine["base"], "the adapter changed nothing"
+        assert r["lora_name"] == f"{r['name']}@{r['step']}"
+        # Each worker took exactly the slices its LoRA layers keep (received in
+        # the trainer's float32, landed in the engine's bfloat16).
+        assert r["landed"] == r["kept"]
+        assert r["received"] == [2 * k for k in r["kept"]]
+    by = {(r["name"], r["step"]): r for r in rows}
+    for name in ("alpha", "beta"):
+        assert by[(name, 2)]["previous"] == by[(name, 1)]["ours"], "the previous version no longer serves"
+        assert by[(name, 1)]["ours"] != by[(name, 2)]["ours"]
+    assert by[("alpha", 1)]["ours"] != by[("beta", 1)]["ours"]
+    # Only LoRA factors were published, under PEFT's names; nothing but the
+    # trainer's own save_pretrained wrote files.
+    for names in trainer["published"].values():
+        assert names and all(".lora_A.weight" in n or ".lora_B.weight" in n for n in names)
+        assert all(n.startswith("base_model.model.") for n in names)
+    assert engine["engine_files"] == sorted(f"{n}-{s}" for s in (1, 2) for n in ("alpha", "beta"))
+    if tp == 2:
+        # The sharded factors split between the workers: each receives less than
+        # the trainer sent in all (a full copy).
+        assert all(got < trainer["sent"][0] for got in rows[0]["received"])
