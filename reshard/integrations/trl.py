@@ -147,8 +147,19 @@ class ReshardOptions:
     weights)."""
     extra: dict[str, Any] = field(default_factory=dict)
     """More :class:`reshard.GroupConfig` fields (``checksums``, ``token``, ...)."""
+    lora: str = "merged"
+    """A PEFT policy (``peft_config``): ``merged`` refits the engines' base
+    weights with the merged policy (:mod:`reshard.sender.peft`);
+    ``adapter`` refits only the adapter into the engines' LoRA slots
+    (:mod:`reshard.adapters.vllm.lora`: engines started with LoRA enabled,
+    servers also with ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=1``), and TRL's
+    generation then uses the newest version."""
+    lora_name: str = "policy"
+    """The adapter's name on the engines (``lora="adapter"``; each version is ``<name>@<refit>``)."""
 
     def __post_init__(self) -> None:
+        if self.lora not in ("merged", "adapter"):
+            raise ValueError(f"ReshardOptions.lora {self.lora!r}: use 'merged' or 'adapter'")
         if self.pause_mode not in (None, "wait", "keep", "abort"):
             raise ValueError(f"ReshardOptions.pause_mode {self.pause_mode!r}: use 'wait', 'keep', 'abort' or None")
         if self.timeout_s <= 0:
@@ -215,6 +226,8 @@ class TrlRefits:
         self.engine_stats: list[list[EngineStats]] = []
         """Per refit, the account of every engine worker this rank drove
         (server mode: rank 0 drives every worker; colocate: its own)."""
+        self.lora_request: Any = None
+        """Adapter-only refits, colocate mode: the ``LoRARequest`` TRL's generation uses."""
 
     def address(self) -> str:
         if self.options.address is not None:
@@ -233,6 +246,12 @@ class TrlRefits:
         gen = self.generation
         acc = gen.accelerator
         rank, world = int(acc.process_index), int(acc.num_processes)
+        source = self.model_source()
+        adapter = None
+        if self.options.lora == "adapter":
+            from reshard.sender.lora_adapter import LoraAdapter
+
+            adapter = LoraAdapter(source)
         if gen.mode == "server":
             workers, error = 0, None
             if acc.is_main_process:
@@ -241,10 +260,13 @@ class TrlRefits:
                     workers = count_server_workers(engine)
                 except Exception as e:
                     workers, error = -1, e  # every rank raises, none waits for the others
-                self.engines = VllmEngines(
-                    [engine], pause_mode=self.options.pause_mode, two_phase=self.options.two_phase,
-                    atomic=self.options.atomic,
-                )  # fmt: skip
+                if adapter is not None:
+                    self.engines = _adapters([engine], self.options.lora_name, adapter, colocated=False)
+                else:
+                    self.engines = VllmEngines(
+                        [engine], pause_mode=self.options.pause_mode, two_phase=self.options.two_phase,
+                        atomic=self.options.atomic,
+                    )  # fmt: skip
             workers = _from_main_process(acc, workers)
             if error is not None:
                 raise error
@@ -254,7 +276,10 @@ class TrlRefits:
             # One worker per rank: TRL's colocated engines run under
             # external_launcher, each rank one worker of its TP group.
             workers = world
-            self.engines = ColocatedEngine(gen.llm, atomic=self.options.atomic)
+            if adapter is not None:
+                self.engines = _adapters([gen.llm], self.options.lora_name, adapter, colocated=True)
+            else:
+                self.engines = ColocatedEngine(gen.llm, atomic=self.options.atomic)
         else:
             raise ValueError(f"vllm_mode {gen.mode!r}: reshard refits 'server' and 'colocate' engines")
         config = GroupConfig(
@@ -266,7 +291,7 @@ class TrlRefits:
             shared_memory=self._shared_memory(),
             **self.options.extra,
         )
-        self.sender = sender = Sender(self.model_source(), config=config, rank=rank)
+        self.sender = sender = Sender(source if adapter is None else adapter, config=config, rank=rank)
         log.info(
             "reshard: trainer rank %d of %d refits %d %s engine worker(s) through %s",
             rank, world, workers, gen.mode, config.address,
@@ -280,6 +305,12 @@ class TrlRefits:
         sender = self.sender if self.sender is not None else self._build()
         n = self.refits + 1
         stats = sender.push(n, engines=self.engines)
+        if self.options.lora == "adapter" and self.engines is not None:
+            # TRL's generation takes the new version from here on.
+            if self.generation.mode == "server":
+                self.generation.vllm_client.model = self.engines.model()
+            else:
+                self.lora_request = self.engines.request()
         self.refits = n
         self.stats.append(stats)
         self.engine_stats.append(list(sender.engine_stats))
@@ -355,6 +386,8 @@ def _generation_class() -> type:
                 # worker extension.
                 with _swapped(tvg, "LLM", _with_extension(tvg.LLM, self.reshard.options.llm_kwargs)):
                     super()._init_vllm()
+                if self.reshard.options.lora == "adapter":
+                    _generate_with_adapter(self.llm, self.reshard)
             else:
                 super()._init_vllm()
 
@@ -372,6 +405,25 @@ def _generation_class() -> type:
     ReshardVLLMGeneration.__qualname__ = "ReshardVLLMGeneration"
     _CLASSES["ReshardVLLMGeneration"] = ReshardVLLMGeneration
     return ReshardVLLMGeneration
+
+
+def _adapters(engines: list[Any], name: str, adapter: Any, *, colocated: bool) -> Any:
+    from reshard.adapters.vllm.adapters import VllmAdapters
+
+    return VllmAdapters(engines, name, adapter, colocated=colocated)
+
+
+def _generate_with_adapter(llm: Any, refits: TrlRefits) -> None:
+    """TRL's colocated ``llm.generate`` calls take the adapter's newest
+    version (adapter-only refits: the engine's base weights stay the base)."""
+    original = llm.generate
+
+    def generate(*args: Any, **kwargs: Any) -> Any:
+        if refits.lora_request is not None:
+            kwargs.setdefault("lora_request", refits.lora_request)
+        return original(*args, **kwargs)
+
+    llm.generate = generate
 
 
 def _with_extension(llm_cls: Any, extra: dict[str, Any]) -> Callable[..., Any]:

@@ -47,7 +47,12 @@ class VllmAdapters:
     from. ``keep``: versions each engine keeps loadable (the newest, and
     older ones for requests that started before a swap); older ones are
     retired after each refit. Each refit's replies say ``lora_name``,
-    ``lora_path`` and bytes received per worker."""
+    ``lora_path`` and bytes received per worker.
+
+    ``colocated``: the engines are this trainer rank's own (one per rank,
+    TRL's colocate mode): their workers take refit ranks ``num_sources`` +
+    their vLLM rank, and the other ranks' engines make up the rest of
+    ``num_destinations``."""
 
     def __init__(
         self,
@@ -57,6 +62,7 @@ class VllmAdapters:
         *,
         keep: int = 2,
         budget_bytes: int = DEFAULT_BUDGET_BYTES,
+        colocated: bool = False,
     ) -> None:
         if not name or "/" in name or "@" in name:
             raise ValueError(f"adapter name {name!r} must be non-empty and contain no '/' or '@'")
@@ -69,6 +75,7 @@ class VllmAdapters:
         self.spec = adapter.spec() if isinstance(adapter, LoraAdapter) else AdapterSpec.parse(adapter)
         self.keep = keep
         self.budget_bytes = budget_bytes
+        self.colocated = colocated
         self.config: GroupConfig | None = None
         self.versions: list[tuple[int, int]] = []
         """``(refit, offline lora id)`` of the versions kept, oldest first."""
@@ -83,8 +90,8 @@ class VllmAdapters:
             )
             replies = _replies(e, "reshard_lora_init", spec.to_json(), self.name, self.spec.to_json())
             raise_for_replies(replies, "reshard_lora_init")
-            offset += len(replies)
-        if offset != config.num_destinations:
+            offset += 0 if self.colocated else len(replies)
+        if not self.colocated and offset != config.num_destinations:
             raise ReshardError(
                 f"the engines have {offset} workers but the refit group expects "
                 f"num_destinations={config.num_destinations}"

@@ -156,25 +156,33 @@ class HttpEngine:
     def __repr__(self) -> str:
         return f"HttpEngine({self.url!r})"
 
-    def _post(self, path: str, body: dict[str, Any] | None = None) -> Any:
+    def _post(self, path: str, body: dict[str, Any] | None = None, *, text: bool = False) -> Any:
         data = json.dumps(body).encode() if body is not None else b""
         req = urllib.request.Request(
             self.url + path, data=data, method="POST", headers={"Content-Type": "application/json"}
         )
         try:
             with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
-                text = resp.read()
+                raw = resp.read()
         except urllib.error.HTTPError as e:
             detail = e.read().decode(errors="replace")[:2000]
             hint = " (is the server running with VLLM_SERVER_DEV_MODE=1?)" if e.code == 404 else ""
             raise ReshardError(f"vLLM server {self.url}: POST {path} failed with HTTP {e.code}{hint}: {detail}") from e
         except OSError as e:
             raise ReshardError(f"vLLM server {self.url}: POST {path} failed: {e}") from e
-        return json.loads(text) if text.strip() else None
+        if not raw.strip():
+            return None
+        try:
+            return json.loads(raw)
+        except ValueError:
+            if text:
+                return raw.decode(errors="replace")
+            raise
 
     def post_json(self, path: str, body: dict[str, Any]) -> Any:
-        """``POST path`` with a JSON body; the server's JSON answer (HTTP errors raise, naming the server)."""
-        return self._post(path, body)
+        """``POST path`` with a JSON body; the server's answer, JSON or text
+        (vLLM's LoRA routes answer text); HTTP errors raise, naming the server."""
+        return self._post(path, body, text=True)
 
     def collective_rpc(self, method: str, args: Sequence[Any] = (), timeout: float | None = None) -> list[Any]:
         """Every worker's reply; the HTTP route passes string arguments only."""
