@@ -70,9 +70,11 @@ unit: setup sglang-setup
 # lane's status and failures (scripts/lane.sh), and make's status is kept.
 SGLANG_TESTS := tests/test_sglang_zoo.py tests/test_sglang.py
 VLLM_TESTS := tests/test_vllm_clients.py tests/test_vllm_faults.py tests/test_delta_engines.py \
-	tests/test_vllm_server.py tests/test_vllm_backend.py tests/test_vllm_load.py tests/test_vllm_versions.py
-FRAMEWORK_TESTS := tests/test_megatron.py tests/test_demo.py tests/test_trl.py tests/test_verl.py tests/test_openrlhf.py
-TRAINER_TESTS := tests/test_trainers.py tests/test_trainers_vllm.py
+	tests/test_vllm_server.py tests/test_vllm_backend.py tests/test_vllm_load.py tests/test_vllm_versions.py \
+	tests/test_lora_adapters.py
+FRAMEWORK_TESTS := tests/test_megatron.py tests/test_demo.py tests/test_trl.py tests/test_trl_peft.py tests/test_verl.py \
+	tests/test_openrlhf.py
+TRAINER_TESTS := tests/test_trainers.py tests/test_trainers_vllm.py tests/test_peft.py
 ZOO_TESTS := tests/test_zoo.py
 EXAMPLE_TESTS := tests/test_examples.py
 LANED := $(SGLANG_TESTS) $(VLLM_TESTS) $(FRAMEWORK_TESTS) $(TRAINER_TESTS) $(ZOO_TESTS) $(EXAMPLE_TESTS)

@@ -167,3 +167,27 @@ def test_openrlhf_rank0_failing_its_setup_fails_every_rank():
         "RuntimeError: the engines are gone",
         "ReshardError: trainer rank 1: trainer rank 0 could not set up the refits: RuntimeError: the engines are gone",
     ]
+
+
+@pytest.mark.parametrize(("lora", "refused"), [({}, True), ({"merge": False}, True), ({"merge": True}, False)])
+def test_verl_refuses_a_lora_policy_its_rollout_would_apply_unmerged(lora, refused, tmp_path):
+    """verl's own model config (HFModelConfig) of a LoRA policy: merged (the
+    refit reshard does) or refused naming the setting (verl's default is
+    unmerged)."""
+    pytest.importorskip("verl")
+    from verl.workers.config import HFModelConfig
+
+    from reshard.integrations.verl import lora_unmerged
+    from reshard.testing.tiny import build_tiny_model
+
+    path = str(build_tiny_model(tmp_path / "m", "qwen2", seed=0))
+    plain = HFModelConfig(path=path)
+    lora_unmerged(plain, 0)  # no LoRA: nothing to refuse
+    cfg = HFModelConfig(path=path, lora_rank=8, lora=lora)
+    if refused:
+        with pytest.raises(
+            ReshardError, match=r"actor rank 3: .*lora.merge=False.*set actor_rollout_ref.model.lora.merge=True"
+        ):
+            lora_unmerged(cfg, 3)
+    else:
+        lora_unmerged(cfg, 3)

@@ -54,6 +54,7 @@ __all__ = [
     "ReshardCheckpointManager",
     "VerlOptions",
     "check_verl_version",
+    "lora_unmerged",
     "register",
     "setup_worker_process",
 ]
@@ -133,6 +134,27 @@ class VerlOptions:
 _CLASSES: dict[str, Any] = {}
 
 
+def lora_unmerged(model_config: Any, rank: int = 0) -> None:
+    """Refuse a LoRA policy verl would serve unmerged. With
+    ``actor_rollout_ref.model.lora_rank > 0`` (or ``model.lora.rank``) and
+    ``model.lora.merge=False``, verl's vLLM rollout applies the adapter
+    itself, with LoRA requests on top of the base weights, fed by its own
+    adapter sync; reshard's backend refits the merged policy into the base
+    weights (:mod:`reshard.sender.peft`), which would apply the adapter
+    twice. With ``merge=True`` it is what verl expects."""
+    if model_config is None:
+        return
+    lora = getattr(model_config, "lora", None) or {}
+    get = lora.get if hasattr(lora, "get") else (lambda k, d=None: getattr(lora, k, d))
+    ranked = int(getattr(model_config, "lora_rank", 0) or 0) > 0 or int(get("rank", 0) or 0) > 0
+    if ranked and not get("merge", False):
+        raise ReshardError(
+            f"actor rank {rank}: verl trains a LoRA adapter with actor_rollout_ref.model.lora.merge=False, so its "
+            "vLLM rollout would apply the adapter on top of the base weights; reshard's verl backend refits the "
+            "merged policy (no gather of the base): set actor_rollout_ref.model.lora.merge=True"
+        )
+
+
 def register() -> None:
     """Register :class:`ReshardCheckpointEngine` as ``reshard`` in verl's
     ``CheckpointEngineRegistry`` (importing ``reshard.integrations.verl_backend``,
@@ -198,6 +220,7 @@ def _engine_class() -> type:
                     f"actor rank {rank}: the training engine {type(engine).__name__} has no 'module'; reshard's "
                     "verl backend reads FSDP engines (FSDP1 or FSDP2)"
                 )
+            lora_unmerged(getattr(engine, "model_config", None), rank)
             self.close()
             self.engine = engine
             # Refit rank 0 hosts the store (GroupConfig's default).
