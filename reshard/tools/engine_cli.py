@@ -32,6 +32,12 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="vLLM: delta refits after AdamW steps, against dense ones and gather-and-broadcast",
     )
+    ap.add_argument(
+        "--lora",
+        action="store_true",
+        help="vLLM: a LoRA policy, merged vs adapter-only vs TRL's gather-and-broadcast vs an adapter file",
+    )
+    ap.add_argument("--lora-rank", type=int, default=16, help="--lora: the adapter's rank")
     ap.add_argument("--lr", type=float, default=1e-6, help="--delta: the AdamW learning rate")
     ap.add_argument("--master", default="bfloat16", choices=["bfloat16", "float32"], help="--delta: trainer dtype")
     ap.add_argument("--json", action="store_true", help="print one JSON object (with every rank's timeline)")
@@ -48,6 +54,28 @@ def main(argv: list[str] | None = None) -> int:
         saved = os.dup(1)
         os.dup2(2, 1)
     try:
+        if args.lora:
+            if args.engine != "vllm":
+                ap.error("--lora runs into vLLM")
+            from reshard.tools.lora_bench import format_lora_result, run_lora_bench
+
+            res = run_lora_bench(
+                size_mb=args.size_mb,
+                tp=args.tp or 2,
+                trainers=args.trainers,
+                lora_rank=args.lora_rank,
+                reps=args.reps,
+                warmup=args.warmup,
+                dtype=args.dtype,
+                workdir=args.workdir,
+                say=say,
+            )
+            if saved is not None:
+                os.dup2(saved, 1)
+                os.close(saved)
+                saved = None
+            print(json.dumps(res, indent=2) if args.json else format_lora_result(res))
+            return 0
         if args.delta:
             if args.engine != "vllm":
                 ap.error("--delta runs into vLLM")
