@@ -70,7 +70,8 @@ def _policy(path: str, dtype: str, rank: int, lora_rank: int, world: int, pg_por
             if ".lora_B." in n:
                 p.copy_(torch.randn(p.shape, generator=g).to(p.dtype) * 0.02)
     mesh = init_device_mesh("cpu", (world,))
-    layers: Any = policy.get_base_model().model.layers
+    inner: Any = policy.get_base_model()
+    layers: Any = inner.model.layers
     for layer in layers:
         fully_shard(layer, mesh=mesh)
     fully_shard(policy, mesh=mesh)
