@@ -169,3 +169,39 @@ def _refused(rank: int, path: str, lora: dict) -> str:
 )
 def test_adapters_reshard_cannot_merge_exactly_are_refused_by_name(lora, needle, model):
     assert needle in _refused(0, model, lora)
+
+
+def _gather_rank(rank: int, port: int) -> dict:
+    import os
+
+    import torch.distributed as dist
+
+    from reshard.plan.box import Box
+    from reshard.sender.gather import gather_whole
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    x = torch.arange(12.0).view(3, 4)
+    y = torch.arange(6, dtype=torch.bfloat16)
+    # Rank 0 holds all of x and the first half of y; rank 1 only the rest of y.
+    if rank == 0:
+        parts = {"x": [(Box((0, 0), (3, 4)), x)], "y": [(Box((0,), (3,)), y[:3])]}
+        shapes = {"x": ((3, 4), "float32"), "y": ((6,), "bfloat16")}
+    else:
+        parts = {"y": [(Box((3,), (3,)), y[3:])]}
+        shapes = {"y": ((6,), "bfloat16")}
+    whole, received = gather_whole(parts, shapes)
+    dist.destroy_process_group()
+    return {"x": whole["x"].tolist(), "y": whole["y"].float().tolist(), "received": received}
+
+
+def test_factors_are_made_whole_even_where_a_rank_knows_only_some_of_them():
+    """Under FSDP1 or ZeRO-3 a rank may hold nothing of a factor (and so not
+    know its name): every rank still rebuilds every factor, from the names
+    and boxes that travel with the bytes."""
+    out = procs.check(procs.run(_gather_rank, 2, procs.free_port(), timeout=300))
+    for o in out:
+        assert o["x"] == torch.arange(12.0).view(3, 4).tolist()
+        assert o["y"] == list(range(6))
+    assert out[0]["received"] == 3 * 2  # y's second half, bf16
+    assert out[1]["received"] == 12 * 4 + 3 * 2

@@ -9,7 +9,8 @@ refit first reads it, ``W_box + s * (B[rows] @ A)[:, cols]``, into a copy
 of the box (the trainer's weights are never written), so extra memory is the
 boxes in flight. The factors are small: where a rank does not hold them
 whole, every trainer rank gathers them (one ``all_gather`` over the
-trainer's default group per push, counted in :attr:`PeftPolicy.gathered_bytes`);
+trainer's default group per read, :mod:`reshard.sender.gather`, counted in
+:attr:`PeftPolicy.gathered_bytes`);
 the base is never gathered. LoRA factors are not published; a module PEFT
 trains whole (``modules_to_save``) is published from its trained copy.
 
@@ -31,7 +32,6 @@ other than LoRA, DoRA and other LoRA variants, LoRA on parameters
 
 from __future__ import annotations
 
-import math
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, Any
 from reshard.plan.box import Box
 from reshard.plan.layout import Grid, Slot, grid_box
 from reshard.plan.specs import GridSpec, PieceSpec
+from reshard.sender.gather import gather_whole
 from reshard.sender.readers import Description, ReadContext, TrainerReader, register_reader
 from reshard.transport.messages import local_view
 
@@ -319,165 +320,108 @@ def _describe(source: Any, ctx: ReadContext) -> Description | None:
     layers, saved = lora_layers(model, ctx.rank)
     user = None if ctx.rename is None or ctx.rename is default_rename else ctx.rename
     pieces, grids, local = ctx.inner(source, _renamer(layers, saved, user))
-    # LoRA layers by the checkpoint name of their base weight.
-    by_weight: dict[str, LoraLayerInfo] = {}
+    by_weight = _layer_infos(layers)
+    parts, shapes, pieces, grids = _split_factors(pieces, grids, local, ctx.rank)
+    factors, gathered = gather_whole(parts, shapes)
+    _attach(factors, by_weight, ctx.rank)
+    merges = _merges(pieces, grids, local, by_weight, ctx.rank)
+    return pieces, grids, PeftPolicy(local, merges, gathered_bytes=gathered)  # type: ignore[return-value]
+
+
+def _layer_infos(layers: Mapping[str, dict]) -> dict[str, LoraLayerInfo]:
+    """The LoRA layers by the checkpoint name of their base weight."""
+    out: dict[str, LoraLayerInfo] = {}
     for path, spec in layers.items():
         base = path.removeprefix("base_model.model.")
-        cname = f"{base}.weight"
         info = LoraLayerInfo(
-            name=cname, kind=spec["kind"], fan_in_fan_out=spec["fan_in_fan_out"], adapters=spec["adapters"]
+            name=f"{base}.weight", kind=spec["kind"], fan_in_fan_out=spec["fan_in_fan_out"], adapters=spec["adapters"]
         )
         if spec["bias"]:
             info.bias = f"{base}.bias"
-        by_weight[cname] = info
-    # Split the factors from what is published.
-    factor_parts: dict[str, list[tuple[Box, torch.Tensor]]] = {}
-    factor_shapes: dict[str, tuple[tuple[int, ...], str]] = {}
+        out[info.name] = info
+    return out
+
+
+def _split_factors(
+    pieces: list[PieceSpec], grids: list[GridSpec], local: Mapping[str, torch.Tensor], rank: int
+) -> tuple[dict, dict, list[PieceSpec], list[GridSpec]]:
+    """The LoRA factors' boxes this rank holds (with their values) and their
+    shapes, apart from the pieces and grids that are published."""
+    parts: dict[str, list[tuple[Box, torch.Tensor]]] = {}
+    shapes: dict[str, tuple[tuple[int, ...], str]] = {}
     keep_pieces: list[PieceSpec] = []
     keep_grids: list[GridSpec] = []
     for p in pieces:
-        if p.tensor.name.startswith(_FACTOR):
-            slot = Slot(ctx.rank, p.box, p.local, p.local_shape, p.offset or (0,) * len(p.local_shape), p.dims)
-            factor_parts.setdefault(p.tensor.name, []).append((p.box, local_view(local[p.local], slot, p.box)))
-            factor_shapes[p.tensor.name] = (p.tensor.shape, p.tensor.dtype)
-        else:
+        if not p.tensor.name.startswith(_FACTOR):
             keep_pieces.append(p)
+            continue
+        slot = Slot(rank, p.box, p.local, p.local_shape, p.offset or (0,) * len(p.local_shape), p.dims)
+        parts.setdefault(p.tensor.name, []).append((p.box, local_view(local[p.local], slot, p.box)))
+        shapes[p.tensor.name] = (p.tensor.shape, p.tensor.dtype)
     for g in grids:
-        if g.tensor.name.startswith(_FACTOR):
-            box = _my_box(g, ctx.rank)
-            if not box.is_empty():
-                factor_parts.setdefault(g.tensor.name, []).append((box, local[g.tensor.name]))
-            factor_shapes[g.tensor.name] = (g.tensor.shape, g.tensor.dtype)
-        else:
+        if not g.tensor.name.startswith(_FACTOR):
             keep_grids.append(g)
-    factors, gathered = _gather(factor_parts, factor_shapes)
-    markers = ((".lora_A.", "A"), (".lora_B.", "B"), (".lora_embedding_A.", "A"), (".lora_embedding_B.", "B"))
+            continue
+        box = _my_box(g, rank)
+        if not box.is_empty():
+            parts.setdefault(g.tensor.name, []).append((box, local[g.tensor.name]))
+        shapes[g.tensor.name] = (g.tensor.shape, g.tensor.dtype)
+    return parts, shapes, keep_pieces, keep_grids
+
+
+_MARKERS = ((".lora_A.", "A"), (".lora_B.", "B"), (".lora_embedding_A.", "A"), (".lora_embedding_B.", "B"))
+
+
+def _attach(factors: Mapping[str, torch.Tensor], by_weight: Mapping[str, LoraLayerInfo], rank: int) -> None:
+    """Hand every whole factor to its layer; every layer must have its A and B."""
     for fname, t in factors.items():
         name = fname.removeprefix(_FACTOR)
-        for marker, key in markers:
-            if marker in name:
-                path, _, rest = name.partition(marker)
-                adapter = rest.split(".", 1)[0]
-                owner = by_weight.get(f"{path}.weight")
-                if owner is not None and key == "B" and rest.endswith(".bias"):
-                    owner.factors[f"b:{adapter}"] = t
-                elif owner is not None and not rest.endswith(".bias"):
-                    owner.factors[f"{key}:{adapter}"] = t
-                break
+        for marker, key in _MARKERS:
+            if marker not in name:
+                continue
+            path, _, rest = name.partition(marker)
+            adapter = rest.split(".", 1)[0]
+            owner = by_weight.get(f"{path}.weight")
+            if owner is not None and key == "B" and rest.endswith(".bias"):
+                owner.factors[f"b:{adapter}"] = t
+            elif owner is not None and not rest.endswith(".bias"):
+                owner.factors[f"{key}:{adapter}"] = t
+            break
     for info in by_weight.values():
         for adapter, _ in info.adapters:
             if f"A:{adapter}" not in info.factors or f"B:{adapter}" not in info.factors:
                 raise ValueError(
-                    f"rank {ctx.rank}: the LoRA factors of {info.name!r} (adapter {adapter!r}) are held by no "
+                    f"rank {rank}: the LoRA factors of {info.name!r} (adapter {adapter!r}) are held by no "
                     "trainer rank reshard can read"
                 )
+
+
+def _merges(
+    pieces: list[PieceSpec],
+    grids: list[GridSpec],
+    local: Mapping[str, torch.Tensor],
+    by_weight: Mapping[str, LoraLayerInfo],
+    rank: int,
+) -> dict[str, list[_Merge]]:
+    """Per local tensor, the boxes of LoRA-targeted weights (or LoRA biases) it holds."""
     by_bias = {info.bias: info for info in by_weight.values() if info.bias}
-    merges: dict[str, list[_Merge]] = {}
-    for p in keep_pieces:
+    out: dict[str, list[_Merge]] = {}
+    for p in pieces:
         target = by_weight.get(p.tensor.name) or by_bias.get(p.tensor.name)
         if target is not None:
-            slot = Slot(ctx.rank, p.box, p.local, p.local_shape, p.offset or (0,) * len(p.local_shape), p.dims)
-            merges.setdefault(p.local, []).append(_Merge(target, slot, p.box, p.tensor.name == target.bias))
-    for g in keep_grids:
+            slot = Slot(rank, p.box, p.local, p.local_shape, p.offset or (0,) * len(p.local_shape), p.dims)
+            out.setdefault(p.local, []).append(_Merge(target, slot, p.box, p.tensor.name == target.bias))
+    for g in grids:
         target = by_weight.get(g.tensor.name) or by_bias.get(g.tensor.name)
-        if target is not None:
-            box = _my_box(g, ctx.rank)
-            if box.is_empty():
-                continue
-            lt = local[g.tensor.name]
-            slot = Slot(ctx.rank, box, g.tensor.name, tuple(lt.shape), (0,) * lt.dim())
-            merges.setdefault(g.tensor.name, []).append(_Merge(target, slot, box, g.tensor.name == target.bias))
-    return keep_pieces, keep_grids, PeftPolicy(local, merges, gathered_bytes=gathered)  # type: ignore[return-value]
-
-
-def _gather(
-    parts: Mapping[str, list[tuple[Box, torch.Tensor]]], shapes: Mapping[str, tuple[tuple[int, ...], str]]
-) -> tuple[dict[str, torch.Tensor], int]:
-    """Every factor whole on this rank: as held when every rank holds every
-    factor whole, else from one all-gather of every rank's boxes over the
-    trainer's default group (every trainer rank runs this at every read, in
-    the same order). Returns the factors and the bytes received."""
-    import torch
-    import torch.distributed as dist
-
-    names = sorted(shapes)
-    whole = all(
-        any(box.sizes == shapes[n][0] for box, _ in parts.get(n, ())) or math.prod(shapes[n][0]) == 0 for n in names
-    )
-    group = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-    if group:
-        device = _group_device()
-        flag = torch.tensor([1 if whole else 0], dtype=torch.int64, device=device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-        whole = bool(flag.item())
-    out: dict[str, torch.Tensor] = {}
-    if whole or not group:
-        for n in names:
-            shape, dtype = shapes[n]
-            full = torch.zeros(shape, dtype=getattr(torch, dtype))
-            for box, t in parts.get(n, ()):
-                full[tuple(slice(o, o + s) for o, s in zip(box.offsets, box.sizes, strict=True))] = t.detach().cpu()
-            out[n] = full
-        return out, 0
-    # Each rank's boxes: a header row per box (factor, offsets, sizes, byte
-    # offset) and their bytes, padded to the largest rank's.
-    index = {n: i for i, n in enumerate(names)}
-    rows: list[list[int]] = []
-    chunks: list[torch.Tensor] = []
-    at = 0
-    for n in names:
-        for box, t in parts.get(n, ()):
-            data = t.detach().contiguous().view(-1).view(torch.uint8).cpu()
-            o = list(box.offsets) + [0] * (2 - box.ndim)
-            s = list(box.sizes) + [1] * (2 - box.ndim)
-            rows.append([index[n], *o[:2], *s[:2], at, data.numel()])
-            chunks.append(data)
-            at += data.numel()
-    header = torch.tensor(rows or [[-1, 0, 0, 0, 0, 0, 0]], dtype=torch.int64)
-    payload = torch.cat(chunks) if chunks else torch.zeros(0, dtype=torch.uint8)
-    world = dist.get_world_size()
-    device = _group_device()
-    sizes = torch.tensor([header.shape[0], payload.numel()], dtype=torch.int64, device=device)
-    all_sizes = [torch.zeros(2, dtype=torch.int64, device=device) for _ in range(world)]
-    dist.all_gather(all_sizes, sizes)
-    n_rows = max(int(s[0]) for s in all_sizes)
-    n_bytes = max(int(s[1]) for s in all_sizes)
-    h = torch.full((n_rows, 7), -1, dtype=torch.int64)
-    h[: header.shape[0]] = header
-    p = torch.zeros(max(n_bytes, 1), dtype=torch.uint8)
-    p[: payload.numel()] = payload
-    hs = [torch.empty_like(h, device=device) for _ in range(world)]
-    ps = [torch.empty_like(p, device=device) for _ in range(world)]
-    dist.all_gather(hs, h.to(device))
-    dist.all_gather(ps, p.to(device))
-    for n in names:
-        shape, dtype = shapes[n]
-        out[n] = torch.zeros(shape, dtype=getattr(torch, dtype))
-    received = 0
-    for hh, pp in zip(hs, ps, strict=True):
-        hh, pp = hh.cpu(), pp.cpu()
-        for i, o0, o1, s0, s1, off, nb in hh.tolist():
-            if i < 0:
-                continue
-            n = names[i]
-            full = out[n]
-            vals = pp[off : off + nb].view(full.dtype)
-            if full.dim() == 1:
-                full[o0 : o0 + s0] = vals
-            else:
-                full[o0 : o0 + s0, o1 : o1 + s1] = vals.view(s0, s1)
-            received += nb
-    return out, received
-
-
-def _group_device() -> torch.device:
-    """Where the default group's collectives take tensors."""
-    import torch
-    import torch.distributed as dist
-
-    if dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+        if target is None:
+            continue
+        box = _my_box(g, rank)
+        if box.is_empty():
+            continue
+        lt = local[g.tensor.name]
+        slot = Slot(rank, box, g.tensor.name, tuple(lt.shape), (0,) * lt.dim())
+        out.setdefault(g.tensor.name, []).append(_Merge(target, slot, box, g.tensor.name == target.bias))
+    return out
 
 
 READER = register_reader(TrainerReader(name="PEFT LoRA (merged)", describe=_describe))
