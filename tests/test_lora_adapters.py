@@ -17,7 +17,12 @@ changing its factors between refits and saving each version with PEFT's
 - the previous version still generates its own tokens (requests that started
   before a swap keep their version), each version under its own name, so
   vLLM's prefix cache (keyed by name and path) never serves another
-  version's KV.
+  version's KV: each version's tokens are taken after the previous version
+  generated for the same prompts, with prefix caching on.
+
+And on a server, requests keep running while versions are refit in: every
+answer is the version it named, as the same server answers with that
+version loaded from its files.
 """
 
 from __future__ import annotations
@@ -170,3 +175,86 @@ def test_adapters_refit_into_lora_slots_slice_by_slice(tp, base, tmp_path):
         # The sharded factors split between the workers: each receives less than
         # the trainer sent in all (a full copy).
         assert all(got < trainer["sent"][0] for got in rows[0]["received"])
+
+
+def _server_trainer(rank: int, address: str, path: str, root: str, versions: int) -> list[int]:
+    from reshard import Sender
+    from reshard.sender.lora_adapter import LoraAdapter
+
+    policy = _policy(path, 0)
+    sender = Sender(LoraAdapter(policy), config=group_config(address, 1, 1, job="served"), rank=0)
+    sent = []
+    for v in range(1, versions + 1):
+        if v > 1:
+            _train(policy, 200 + v)
+        policy.save_pretrained(os.path.join(root, f"v{v}"))
+        sent.append(sender.push(v).exec.bytes_sent)
+    sender.close()
+    return sent
+
+
+def test_requests_running_through_refits_on_a_server_each_see_one_version(base, tmp_path):
+    """A server (``--enable-lora``) keeps answering requests while adapter
+    versions are refit into it: every answer is one version's, the one the
+    request named, as the same server answers with that version loaded
+    from PEFT's files; a request started before a swap finishes on its
+    version."""
+    import threading
+
+    from reshard.adapters.vllm.adapters import VllmAdapters
+    from reshard.adapters.vllm.driver import HttpEngine
+    from reshard.sender.lora_adapter import AdapterSpec
+
+    from .vllm_support import PROMPTS, VllmServer, server_greedy
+
+    versions = 3
+    srv = VllmServer(
+        base,
+        tp=1,
+        log=str(tmp_path / "server.log"),
+        args=[
+            "--worker-extension-cls", "reshard.adapters.vllm.ReshardWorkerExtension",
+            "--enable-lora", "--max-lora-rank", "8", "--max-loras", "2",
+        ],
+        env={"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1"},
+    )  # fmt: skip
+    store = procs.StoreServer()
+    answers: list[tuple[str, list[list[int]]]] = []
+    stop = threading.Event()
+    try:
+        engine = HttpEngine(srv.url)
+        adapters = VllmAdapters([engine], "alpha", AdapterSpec.parse(_spec(base)), keep=versions)
+        trainer = procs.spawn(_server_trainer, 0, store.address, base, str(tmp_path), versions)
+        adapters.init(group_config(store.address, 1, 1, job="served"))
+        adapters.refit(1)
+
+        def ask() -> None:
+            while not stop.is_set():
+                name = adapters.model()
+                answers.append((name, server_greedy(srv.url, PROMPTS[:2], model=name)))
+
+        asker = threading.Thread(target=ask, daemon=True)
+        asker.start()
+        for v in range(2, versions + 1):
+            # Each refit starts once a request of the previous version is answered.
+            seen = len(answers)
+            while len(answers) == seen and asker.is_alive():
+                asker.join(timeout=0.05)
+            adapters.refit(v)
+        seen = len(answers)
+        while len(answers) == seen and asker.is_alive():
+            asker.join(timeout=0.05)
+        stop.set()
+        asker.join(timeout=procs.GROUP_TIMEOUT_S)
+        procs.check([trainer.outcome(procs.GROUP_TIMEOUT_S)])
+        reference = {}
+        for v in range(1, versions + 1):
+            engine.post_json("/v1/load_lora_adapter", {"lora_name": f"disk{v}", "lora_path": str(tmp_path / f"v{v}")})
+            reference[f"alpha@{v}"] = server_greedy(srv.url, PROMPTS[:2], model=f"disk{v}")
+    finally:
+        stop.set()
+        srv.close()
+    assert {name for name, _ in answers} == set(reference), [n for n, _ in answers]
+    for name, tokens in answers:
+        assert tokens == reference[name], f"an answer of {name} is not that version's"
+    assert len({tuple(map(tuple, t)) for t in reference.values()}) == versions
