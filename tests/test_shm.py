@@ -33,14 +33,13 @@ torch made when a trainer's storage moved into shared memory."""
 
 def _leftovers() -> list[str]:
     """The shared-memory files this test process or its ranks made (another
-    job on the machine, a second `make test` say, has its own)."""
+    job on the machine, a second `make test` say, has its own; a benchmark's
+    folder, ``reshard-engine-bench-*``, names no creator and is no channel)."""
     ours = procs.STARTED | {os.getpid()}
     out = []
     for f in os.listdir(SHM_DIR):
-        if not f.startswith(("reshard-", "torch_")):
-            continue
         m = _CREATOR.match(f)
-        if m is None or int(m.group(1) or m.group(2)) in ours:
+        if m is not None and int(m.group(1) or m.group(2)) in ours:
             out.append(f)
     return sorted(out)
 
