@@ -28,7 +28,6 @@ import hashlib
 import itertools
 import math
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 from functools import cached_property, lru_cache
 
 import msgspec
@@ -253,11 +252,16 @@ def grid_box(grid: Grid, shape: Sequence[int], coord: Sequence[int]) -> Box:
     return Box(tuple(offs), tuple(sizes))
 
 
-@dataclass(frozen=True, slots=True)
-class Slot:
+class Slot(msgspec.Struct, frozen=True, gc=False):
     """One piece resolved to names: rank ``rank`` holds ``box`` of a tensor
     in local tensor ``local`` (shape ``local_shape``, element type ``dtype``)
-    at ``offset``."""
+    at ``offset``.
+
+    A Struct, not a dataclass: a plan holds two per transfer (tens of
+    thousands per rank), and a Struct is built ten times faster. ``gc=False``:
+    it holds only numbers, strings and boxes, so it can be in no cycle and the
+    cyclic collector need not track it.
+    """
 
     rank: int
     box: Box
@@ -316,6 +320,33 @@ def _mesh_index(mesh: Mesh) -> tuple[list[tuple[int, ...]], list[int], dict[int,
     return coords, ranks, coord_of
 
 
+@lru_cache(maxsize=4096)
+def _mesh_rank_set(mesh: Mesh) -> frozenset[int]:
+    return frozenset(_mesh_index(mesh)[1])
+
+
+Group = tuple[tuple[int, ...], tuple[int, ...], tuple[tuple[int, ...], ...]]
+"""Ranks of a mesh that agree on the cut axes (so hold one box): (a coord, ranks, coords)."""
+
+
+@lru_cache(maxsize=4096)
+def _mesh_groups(mesh: Mesh, cut_axes: tuple[int, ...]) -> tuple[Group, ...]:
+    """The mesh's ranks grouped by their coordinates on ``cut_axes``, sorted by
+    rank within a group. Shared by every grid on the mesh that cuts those axes
+    (an engine's hundreds of grids share a handful), so a grid's holders cost
+    one box per group, not one step per rank."""
+    coords, ranks, _ = _mesh_index(mesh)
+    groups: dict[tuple[int, ...], list[tuple[int, tuple[int, ...]]]] = {}
+    for r, c in zip(ranks, coords, strict=True):
+        groups.setdefault(tuple(c[a] for a in cut_axes), []).append((r, c))
+    out = []
+    for members in groups.values():
+        first = members[0][1]
+        members.sort()
+        out.append((first, tuple(r for r, _ in members), tuple(c for _, c in members)))
+    return tuple(out)
+
+
 class GridInfo:
     """Derived facts of one grid: coordinates by rank, holder boxes by shape."""
 
@@ -327,9 +358,14 @@ class GridInfo:
         self.cut_axes = tuple(sorted(cut_axes))
         self.rep_axes = tuple(a for a in range(len(mesh.shape)) if a not in cut_axes)
 
-    @cached_property
+    @property
     def rank_set(self) -> frozenset[int]:
-        return frozenset(self.ranks)
+        return _mesh_rank_set(self.grid.mesh)
+
+    @property
+    def distinct_ranks(self) -> bool:
+        """No rank appears at two coordinates (so each rank holds one box)."""
+        return len(self.coord_of) == len(self.ranks)
 
     @cached_property
     def geometry(self) -> tuple:
@@ -337,18 +373,16 @@ class GridInfo:
         g = self.grid
         return (g.mesh, g.shard, g.block)
 
+    def groups(self) -> tuple[Group, ...]:
+        """Ranks grouped by the box they hold (see :func:`_mesh_groups`)."""
+        return _mesh_groups(self.grid.mesh, self.cut_axes)
+
     def holders(self, shape: Sequence[int]) -> Iterator[tuple[Box, tuple[int, ...], tuple[tuple[int, ...], ...]]]:
         """Distinct boxes with the ranks (and coords) that hold each, non-empty only."""
-        groups: dict[tuple[int, ...], list[tuple[int, tuple[int, ...]]]] = {}
-        for r, c in zip(self.ranks, self.coords, strict=True):
-            key = tuple(c[a] for a in self.cut_axes)
-            groups.setdefault(key, []).append((r, c))
-        for members in groups.values():
-            box = grid_box(self.grid, shape, members[0][1])
-            if box.is_empty():
-                continue
-            members.sort()
-            yield box, tuple(r for r, _ in members), tuple(c for _, c in members)
+        for first, ranks, coords in _mesh_groups(self.grid.mesh, self.cut_axes):
+            box = grid_box(self.grid, shape, first)
+            if not box.is_empty():
+                yield box, ranks, coords
 
     def slot(self, meta: TensorMeta, position: int, rank: int, coord: Sequence[int], box: Box | None = None) -> Slot:
         g = self.grid
