@@ -21,7 +21,8 @@ How a plan is made
    copied locally when the needer holds it itself); otherwise one **leader**
    among the needers pulls it across the network once and **forwards** it to
    the other needers in the next round. Large regions are split so several
-   replicas and leaders share them.
+   replicas and leaders share them. The cut depends on boxes only, so it is
+   shared by families and domains laid out alike (:mod:`reshard.plan.regions`).
 3. **Decide.** Replica and leader choices rotate with the tensor's ordinal,
    the region, the part and the domain: deterministic everywhere and
    balanced over many tensors.
@@ -30,23 +31,31 @@ How a plan is made
    a transfer moves in the round of its block, a forward one round after
    its pull. Round numbers depend only on names, shapes and dtypes, so every
    pair of peers agrees on them.
+
+What one rank's plan costs
+==========================
+
+A rank resolves only the (family, domain) pairs it takes part in: a
+destination rank its own domain, a source rank every domain of the families
+it holds. Which ranks of a grid are in which domain is worked out once per
+mesh, which boxes sources hold once per source geometry, which boxes a
+domain needs once per destination geometry and domain; families keep no
+per-rank sets. Only the cells a rank needs or holds become regions.
 """
 
 from __future__ import annotations
 
-import itertools
 import math
-from bisect import bisect_left
-from collections import Counter, defaultdict
-from collections.abc import Callable, Iterable, Mapping
+from collections import Counter
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import NamedTuple
 
 from reshard.errors import PlanError, Problem
-from reshard.plan.box import Box, chunk_range, merge_boxes
-from reshard.plan.index import LayoutSet, Ref, gc_paused, natural_key
+from reshard.plan.box import Box
+from reshard.plan.index import LayoutSet, Ref, gc_paused, natural_order
 from reshard.plan.items import RankPlan, Round, Transfer, TransferKind
 from reshard.plan.layout import GridInfo, Slot, TensorMeta, cast_ok, dtype_size, grid_box, zeros
+from reshard.plan.regions import Cells, Decision, Endpoint, Holders, Needs, cut, decide, decide_for, problems, region
 from reshard.plan.rounds import DEFAULT_ROUND_BYTES, RoundTable
 from reshard.plan.traffic import Traffic
 
@@ -55,20 +64,8 @@ __all__ = ["DEFAULT_SPLIT_BYTES", "Decision", "Endpoint", "Planner"]
 DEFAULT_SPLIT_BYTES = 16 << 20
 """Regions larger than this are split so several replicas and leaders share them."""
 
-
-class Endpoint(NamedTuple):
-    """One side of a decision: a rank and where it holds (or needs) the region."""
-
-    rank: int
-    ref: Ref
-
-
-class Decision(NamedTuple):
-    """Who moves one part of a region to whom, and how."""
-
-    kind: TransferKind
-    src: Endpoint
-    dst: Endpoint
+_FWD = TransferKind.FWD
+_COPY = TransferKind.COPY
 
 
 def _make_slot(store: tuple, grids: list[GridInfo], ref: tuple, rank: int, name: str, dtype: str) -> Slot:
@@ -86,22 +83,14 @@ def _make_slot(store: tuple, grids: list[GridInfo], ref: tuple, rank: int, name:
 
 
 @dataclass(slots=True)
-class _Region:
-    parts: list[Box]
-    needers: list[Endpoint]
-    holders: list[Endpoint]
-    holders_in: list[Endpoint]
-    holders_out: list[Endpoint]
-    ranks: frozenset[int]
-    copies: list[tuple[Endpoint, Endpoint]] = field(default_factory=list)
-    """(holder, needer) pairs on one rank: local copies."""
-    pulling: list[Endpoint] = field(default_factory=list)
-    """Needers that hold nothing of the region themselves."""
+class _Side:
+    """What one side of a family's plan depends on: the shape, the grids
+    (those of the first tensor seen; others are laid out alike) and the
+    explicit pieces' ranks and boxes."""
 
-    @property
-    def period(self) -> int:
-        """Decisions repeat with the rotation modulo this."""
-        return math.lcm(max(1, len(self.holders_in) or len(self.holders_out)), max(1, len(self.pulling)))
+    shape: tuple[int, ...]
+    grids: tuple[int, ...]
+    slots: tuple[Slot, ...]
 
 
 @dataclass(slots=True)
@@ -110,21 +99,24 @@ class _Family:
     shape: tuple[int, ...]
     dtype: str
     itemsize: int
-    # Geometry (shared by members): the first member's grids and slots.
+    # Geometry (shared by members): the first member's grids and slots, and
+    # the ids of its source and destination sides (shared with other families).
     src_grids: tuple[int, ...]
     src_slots: tuple[Slot, ...]
     dst_grids: tuple[int, ...]
     dst_slots: tuple[Slot, ...]
+    src_side: int
+    dst_side: int
     names: list[str] = field(default_factory=list)
     ordinals: list[int] = field(default_factory=list)
+    dst_dtypes: list[str] = field(default_factory=list)
     # Storage per member: ((grid id, position) list, explicit slots), aligned with the geometry.
     src_store: list[tuple[list[tuple[int, int]], tuple[Slot, ...]]] = field(default_factory=list)
     dst_store: list[tuple[list[tuple[int, int]], tuple[Slot, ...]]] = field(default_factory=list)
-    boxes: dict[tuple, Box] = field(default_factory=dict)
-    """Grid boxes by (side, grid position, coord): equal for every member."""
-    src_ranks: frozenset[int] = frozenset()
-    dst_ranks: frozenset[int] = frozenset()
-    dst_domains: tuple[int, ...] = ()
+    refs: dict[tuple, tuple] = field(default_factory=dict)
+    """Grid refs with their box, by (side, grid position, coord): equal for every member."""
+    checked: bool = False
+    """Every destination domain resolved and checked."""
 
 
 class Planner:
@@ -154,6 +146,7 @@ class Planner:
             raise ValueError(f"round_bytes must be positive, got {round_bytes}")
         self.sources = sources
         self.dests = dests
+        self._domain: Callable[[int], int]
         if domain_of is None:
             self._domain = lambda r: r
         elif callable(domain_of):
@@ -163,13 +156,21 @@ class Planner:
             self._domain = lambda r: mapping.get(r, -1 - r)
         self.split_bytes = split_bytes
         self._problems: list[Problem] = list(sources.problems) + list(dests.problems)
-        self._regions: dict[tuple[int, int], list[_Region]] = {}
+        self._src_sides: list[_Side] = []
+        self._dst_sides: list[_Side] = []
+        self._holders: dict[int, tuple[Holders, int]] = {}
+        self._needs: dict[tuple[int, int], tuple[Needs, int]] = {}
+        self._side_domains: dict[int, tuple[int, ...]] = {}
+        self._mesh_domains: dict[object, dict[int, list[tuple[int, tuple[int, ...]]]]] = {}
+        self._box_ids: dict[tuple[Box, ...], int] = {}
+        self._cells: dict[tuple[int, int], Cells] = {}
+        self._on: dict[tuple[bool, int, int], bool] = {}
+        self._checked: set[tuple[int, int]] = set()
         self._region_problems: dict[tuple[int, int], list[Problem]] = {}
-        self._grid_domains: dict[int, dict[int, list[tuple[int, tuple[int, ...]]]]] = {}
         with gc_paused():
             # Destination tensors in checkpoint order; each takes the source's
             # dtype (the canonical one) once its families are built.
-            self.order: list[TensorMeta] = sorted(dests.metas.values(), key=lambda m: natural_key(m.name))
+            self.order: list[TensorMeta] = natural_order(list(dests.metas.values()))
             self.ordinal = {m.name: i for i, m in enumerate(self.order)}
             self._families = self._build_families()
         self.round_bytes = round_bytes
@@ -191,13 +192,17 @@ class Planner:
 
     def _build_families(self) -> list[_Family]:
         src, dst = self.sources, self.dests
+        src_metas = src.metas
         families: dict[tuple, _Family] = {}
-        missing: dict[str, list[str]] = {}
-        for meta in self.order:
+        src_sides: dict[tuple, int] = {}
+        dst_sides: dict[tuple, int] = {}
+        missing: list[str] = []
+        order = self.order
+        for ordinal, meta in enumerate(order):
             name = meta.name
-            smeta = src.metas.get(name)
+            smeta = src_metas.get(name)
             if smeta is None:
-                missing.setdefault(name, [])
+                missing.append(name)
                 continue
             if smeta is not meta and (smeta.shape != meta.shape or not cast_ok(smeta.dtype, meta.dtype)):
                 why = "" if smeta.shape != meta.shape else f" ({smeta.dtype} cannot be cast to {meta.dtype} on arrival)"
@@ -215,28 +220,40 @@ class Planner:
                 )
                 continue
             # The canonical dtype is the source's: that is what moves.
-            meta = self.order[self.ordinal[name]] = smeta
+            order[ordinal] = smeta
             s_geo, s_store = src.describe(name)
             d_geo, d_store = dst.describe(name)
-            key = (meta.shape, meta.dtype, s_geo, d_geo)
+            shape = smeta.shape
+            key = (shape, smeta.dtype, s_geo, d_geo)
             fam = families.get(key)
             if fam is None:
+                s_grids = tuple(g for g, _ in s_store[0])
+                d_grids = tuple(g for g, _ in d_store[0])
+                sid = src_sides.setdefault((shape, s_geo), len(src_sides))
+                if sid == len(self._src_sides):
+                    self._src_sides.append(_Side(shape, s_grids, s_store[1]))
+                did = dst_sides.setdefault((shape, d_geo), len(dst_sides))
+                if did == len(self._dst_sides):
+                    self._dst_sides.append(_Side(shape, d_grids, d_store[1]))
                 fam = families[key] = _Family(
                     index=len(families),
-                    shape=meta.shape,
-                    dtype=meta.dtype,
-                    itemsize=dtype_size(meta.dtype),
-                    src_grids=tuple(g for g, _ in s_store[0]),
+                    shape=shape,
+                    dtype=smeta.dtype,
+                    itemsize=dtype_size(smeta.dtype),
+                    src_grids=s_grids,
                     src_slots=s_store[1],
-                    dst_grids=tuple(g for g, _ in d_store[0]),
+                    dst_grids=d_grids,
                     dst_slots=d_store[1],
+                    src_side=sid,
+                    dst_side=did,
                 )
             fam.names.append(name)
-            fam.ordinals.append(self.ordinal[name])
+            fam.ordinals.append(ordinal)
+            fam.dst_dtypes.append(meta.dtype)
             fam.src_store.append(s_store)
             fam.dst_store.append(d_store)
         if missing:
-            names = sorted(missing, key=natural_key)
+            names = missing  # already in natural order
             self._problems.append(
                 Problem(
                     kind="unknown-tensor",
@@ -250,260 +267,153 @@ class Planner:
                     ),
                 )
             )
-        out = list(families.values())
-        for fam in out:
-            sranks: set[int] = {s.rank for s in fam.src_slots}
-            for g in fam.src_grids:
-                sranks.update(src.grids[g].rank_set)
-            dranks: set[int] = {s.rank for s in fam.dst_slots}
-            for g in fam.dst_grids:
-                dranks.update(dst.grids[g].rank_set)
-            fam.src_ranks = frozenset(sranks)
-            fam.dst_ranks = frozenset(dranks)
-            fam.dst_domains = tuple(sorted({self._domain(r) for r in dranks}))
-        return out
+        return list(families.values())
 
     def _shares(self) -> list[int]:
         """Per tensor (by ordinal): max elements one rank receives + max one rank sends from."""
         shares = [math.prod(m.shape) for m in self.order]
-        memo: dict[tuple, int] = {}
+        dst_top: dict[int, int] = {}
+        src_top: dict[int, int] = {}
         for fam in self._families:
-            most = 0
-            for side, grids, slots in (
-                (self.dests, fam.dst_grids, fam.dst_slots),
-                (self.sources, fam.src_grids, fam.src_slots),
-            ):
-                key = (id(side), tuple(side.geometry_id(g) for g in grids), fam.shape) if not slots else None
-                if key is not None and key in memo:
-                    most += memo[key]
-                    continue
-                per_rank: Counter = Counter()
-                for g in grids:
-                    info = side.grids[g]
-                    for box, ranks, _ in info.holders(fam.shape):
-                        for r in ranks:
-                            per_rank[r] += box.numel
-                for sl in slots:
-                    per_rank[sl.rank] += sl.box.numel
-                top = max(per_rank.values(), default=0)
-                if key is not None:
-                    memo[key] = top
-                most += top
+            d = dst_top.get(fam.dst_side)
+            if d is None:
+                d = dst_top[fam.dst_side] = self._most_per_rank(self.dests, self._dst_sides[fam.dst_side])
+            s = src_top.get(fam.src_side)
+            if s is None:
+                s = src_top[fam.src_side] = self._most_per_rank(self.sources, self._src_sides[fam.src_side])
+            most = d + s
             for o in fam.ordinals:
                 shares[o] = most
         return shares
 
-    def _grid_by_domain(self, gid: int) -> dict[int, list[tuple[int, tuple[int, ...]]]]:
-        got = self._grid_domains.get(gid)
+    @staticmethod
+    def _most_per_rank(side: LayoutSet, geo: _Side) -> int:
+        """The most elements of one tensor any one rank holds (or needs) on ``side``."""
+        if not geo.slots and len(geo.grids) == 1:
+            info = side.grids[geo.grids[0]]
+            if info.distinct_ranks:
+                # One box per rank: the largest box, one per group of ranks.
+                return max((box.numel for box, _, _ in info.holders(geo.shape)), default=0)
+        per_rank: Counter = Counter()
+        for g in geo.grids:
+            for box, ranks, _ in side.grids[g].holders(geo.shape):
+                for r in ranks:
+                    per_rank[r] += box.numel
+        for sl in geo.slots:
+            per_rank[sl.rank] += sl.box.numel
+        return max(per_rank.values(), default=0)
+
+    def _box_id(self, boxes: tuple[Box, ...]) -> int:
+        return self._box_ids.setdefault(boxes, len(self._box_ids))
+
+    def _by_domain(self, info: GridInfo) -> dict[int, list[tuple[int, tuple[int, ...]]]]:
+        """Ranks (with coords) of a grid's mesh by domain, once per mesh."""
+        mesh = info.grid.mesh
+        got = self._mesh_domains.get(mesh)
         if got is None:
-            info = self.dests.grids[gid]
-            got = defaultdict(list)
+            got = self._mesh_domains[mesh] = {}
+            dom = self._domain
             for r, c in zip(info.ranks, info.coords, strict=True):
-                got[self._domain(r)].append((r, c))
-            self._grid_domains[gid] = got
+                got.setdefault(dom(r), []).append((r, c))
         return got
 
-    # -- resolve ----------------------------------------------------------
+    def _domains(self, fam: _Family) -> tuple[int, ...]:
+        """Every domain with a rank that needs the family's tensors."""
+        got = self._side_domains.get(fam.dst_side)
+        if got is None:
+            side = self._dst_sides[fam.dst_side]
+            doms: set[int] = set()
+            for g in side.grids:
+                doms.update(self._by_domain(self.dests.grids[g]))
+            doms.update(self._domain(s.rank) for s in side.slots)
+            got = self._side_domains[fam.dst_side] = tuple(sorted(doms))
+        return got
 
-    def _family_regions(self, fam: _Family, domain: int) -> list[_Region]:
-        key = (fam.index, domain)
-        regions = self._regions.get(key)
-        if regions is not None:
-            return regions
-        shape = fam.shape
-        needs: list[tuple[int, Box, Ref]] = []
-        for gi, g in enumerate(fam.dst_grids):
-            grid = self.dests.grids[g].grid
-            for r, c in self._grid_by_domain(g).get(domain, ()):
-                box = grid_box(grid, shape, c)
-                if not box.is_empty():
-                    needs.append((r, box, ("g", gi, c)))
-        for si, s in enumerate(fam.dst_slots):
-            if self._domain(s.rank) == domain and not s.box.is_empty():
-                needs.append((s.rank, s.box, ("s", si)))
-        holders: list[tuple[Box, list[tuple[int, Ref]]]] = []
-        by_box: dict[Box, list[tuple[int, Ref]]] = {}
-        for gi, g in enumerate(fam.src_grids):
-            for box, ranks, coords in self.sources.grids[g].holders(shape):
-                by_box.setdefault(box, []).extend((r, ("g", gi, c)) for r, c in zip(ranks, coords, strict=True))
-        for si, s in enumerate(fam.src_slots):
-            if not s.box.is_empty():
-                by_box.setdefault(s.box, []).append((s.rank, ("s", si)))
-        holders = [(b, sorted(m, key=lambda x: x[0])) for b, m in by_box.items()]
-        regions, problems = self._resolve(fam, domain, needs, holders)
-        self._regions[key] = regions
-        self._region_problems[key] = problems
-        return regions
+    def _on_side(self, source: bool, side_id: int, rank: int) -> bool:
+        """Is ``rank`` on a grid or slot of this side (holding or needing, maybe nothing)?"""
+        key = (source, side_id, rank)
+        got = self._on.get(key)
+        if got is None:
+            side = (self._src_sides if source else self._dst_sides)[side_id]
+            grids = (self.sources if source else self.dests).grids
+            got = any(rank in grids[g].coord_of for g in side.grids) or any(s.rank == rank for s in side.slots)
+            self._on[key] = got
+        return got
 
-    def _resolve(
-        self,
-        fam: _Family,
-        domain: int,
-        needs: list[tuple[int, Box, Ref]],
-        holders: list[tuple[Box, list[tuple[int, Ref]]]],
-    ) -> tuple[list[_Region], list[Problem]]:
-        problems: list[Problem] = []
-        if not needs:
-            return [], problems
-        shape = fam.shape
-        nd = len(shape)
-        # Cut points per dim, and per interval the bitmask of needs / holders covering it.
-        intervals: list[list[tuple[int, int]]] = []
-        need_masks: list[list[int]] = []
-        hold_masks: list[list[int]] = []
-        for d in range(nd):
-            lo = min(b.offsets[d] for _, b, _ in needs)
-            hi = max(b.offsets[d] + b.sizes[d] for _, b, _ in needs)
-            cuts = {lo, hi}
-            for _, b, _ in needs:
-                cuts.add(b.offsets[d])
-                cuts.add(b.offsets[d] + b.sizes[d])
-            for b, _ in holders:
-                for x in (b.offsets[d], b.offsets[d] + b.sizes[d]):
-                    if lo < x < hi:
-                        cuts.add(x)
-            cl = sorted(cuts)
-            iv = list(itertools.pairwise(cl))
-            nm = [0] * len(iv)
-            hm = [0] * len(iv)
-            for j, (_, b, _) in enumerate(needs):
-                for i in range(bisect_left(cl, b.offsets[d]), bisect_left(cl, b.offsets[d] + b.sizes[d])):
-                    nm[i] |= 1 << j
-            for j, (b, _) in enumerate(holders):
-                a = bisect_left(cl, max(b.offsets[d], lo))
-                z = bisect_left(cl, min(b.offsets[d] + b.sizes[d], hi))
-                for i in range(a, z):
-                    hm[i] |= 1 << j
-            intervals.append(iv)
-            need_masks.append(nm)
-            hold_masks.append(hm)
-        all_needs = (1 << len(needs)) - 1
-        all_holders = (1 << len(holders)) - 1
-        cells: dict[tuple[int, int], list[Box]] = {}
+    def _holders_of(self, fam: _Family) -> tuple[Holders, int]:
+        """Who holds which box of the family's tensors, once per source side."""
+        got = self._holders.get(fam.src_side)
+        if got is None:
+            side = self._src_sides[fam.src_side]
+            by_box: dict[Box, list[tuple[int, Ref]]] = {}
+            for gi, g in enumerate(side.grids):
+                for box, ranks, coords in self.sources.grids[g].holders(side.shape):
+                    by_box.setdefault(box, []).extend((r, ("g", gi, c)) for r, c in zip(ranks, coords, strict=True))
+            for si, s in enumerate(side.slots):
+                if not s.box.is_empty():
+                    by_box.setdefault(s.box, []).append((s.rank, ("s", si)))
+            holders = Holders([(b, sorted(m, key=lambda x: x[0])) for b, m in by_box.items()])
+            got = self._holders[fam.src_side] = (holders, self._box_id(holders.boxes))
+        return got
 
-        def walk(d: int, offs: tuple, sizes: tuple, nmask: int, hmask: int) -> None:
-            if d == nd:
-                cells.setdefault((nmask, hmask), []).append(Box(offs, sizes))
-                return
-            for (a, z), n_m, h_m in zip(intervals[d], need_masks[d], hold_masks[d], strict=True):
-                m = nmask & n_m
-                if m:
-                    walk(d + 1, (*offs, a), (*sizes, z - a), m, hmask & h_m)
+    def _needs_of(self, fam: _Family, domain: int) -> tuple[Needs, int]:
+        """What ``domain``'s ranks need of the family's tensors, once per destination side."""
+        key = (fam.dst_side, domain)
+        got = self._needs.get(key)
+        if got is None:
+            side = self._dst_sides[fam.dst_side]
+            shape = side.shape
+            items: list[tuple[int, Box, Ref]] = []
+            for gi, g in enumerate(side.grids):
+                info = self.dests.grids[g]
+                grid = info.grid
+                for r, c in self._by_domain(info).get(domain, ()):
+                    box = grid_box(grid, shape, c)
+                    if not box.is_empty():
+                        items.append((r, box, ("g", gi, c)))
+            for si, s in enumerate(side.slots):
+                if self._domain(s.rank) == domain and not s.box.is_empty():
+                    items.append((s.rank, s.box, ("s", si)))
+            needs = Needs(items)
+            got = self._needs[key] = (needs, self._box_id(needs.boxes))
+        return got
 
-        walk(0, (), (), all_needs, all_holders)
-        regions: list[_Region] = []
-        for (nmask, hmask), boxes in cells.items():
-            needers = [Endpoint(needs[j][0], needs[j][2]) for j in range(len(needs)) if nmask >> j & 1]
-            name = fam.names[0]
-            more = f" (and {len(fam.names) - 1} more tensors laid out alike)" if len(fam.names) > 1 else ""
-            seen: dict[int, int] = {}
-            for r, _ in needers:
-                seen[r] = seen.get(r, 0) + 1
-            dup = sorted(r for r, n in seen.items() if n > 1)
-            if dup:
-                problems.append(
-                    Problem(
-                        kind="overlap",
-                        tensor=name,
-                        ranks=tuple(dup),
-                        message=f"destination rank(s) {dup} need box {merge_boxes(boxes)[0]} of {name!r}{more} "
-                        "through two pieces (overlapping destination pieces)",
-                    )
-                )
-                continue
-            if not hmask:
-                problems.append(
-                    Problem(
-                        kind="uncovered",
-                        tensor=name,
-                        ranks=tuple(sorted(seen)),
-                        message=f"box(es) {', '.join(str(b) for b in merge_boxes(boxes)[:4])} of {name!r}{more} "
-                        f"(shape {list(shape)}) needed by rank(s) {sorted(seen)} are held by no source",
-                    )
-                )
-                continue
-            hs: dict[int, Ref] = {}
-            for j in range(len(holders)):
-                if hmask >> j & 1:
-                    for r, ref in holders[j][1]:
-                        hs.setdefault(r, ref)
-            hlist = [Endpoint(r, ref) for r, ref in sorted(hs.items())]
-            h_in = [h for h in hlist if self._domain(h[0]) == domain]
-            h_out = [h for h in hlist if self._domain(h[0]) != domain]
-            parts: list[Box] = []
-            n_pull = sum(1 for r, _ in needers if r not in hs)
-            cands = max(len(h_in) or len(h_out), n_pull if not h_in else 1)
-            for b in merge_boxes(boxes):
-                parts.extend(self._split(b, fam.itemsize, cands))
-            ordered = sorted(needers, key=lambda x: x[0])
-            regions.append(
-                _Region(
-                    parts=parts,
-                    needers=ordered,
-                    holders=hlist,
-                    holders_in=h_in,
-                    holders_out=h_out,
-                    ranks=frozenset(seen) | frozenset(hs),
-                    copies=[(Endpoint(n.rank, hs[n.rank]), n) for n in ordered if n.rank in hs],
-                    pulling=[n for n in ordered if n.rank not in hs],
-                )
-            )
-        regions.sort(key=lambda reg: (reg.parts[0].offsets, reg.needers[0][0]))
-        return regions, problems
+    def _cells_of(self, nkey: int, hkey: int, needs: Needs, holders: Holders) -> Cells:
+        got = self._cells.get((nkey, hkey))
+        if got is None:
+            got = self._cells[(nkey, hkey)] = cut(needs.boxes, holders.boxes)
+        return got
 
-    def _split(self, box: Box, itemsize: int, cands: int) -> list[Box]:
-        nbytes = box.numel * itemsize
-        if cands <= 1 or nbytes <= self.split_bytes or box.ndim == 0:
-            return [box]
-        p = min(cands, -(-nbytes // self.split_bytes))
-        d = 0 if box.sizes[0] >= p else max(range(box.ndim), key=lambda i: box.sizes[i])
-        p = min(p, box.sizes[d])
-        out = []
-        for i in range(p):
-            a, z = chunk_range(box.sizes[d], p, i)
-            if z > a:
-                offs = list(box.offsets)
-                sizes = list(box.sizes)
-                offs[d] += a
-                sizes[d] = z - a
-                out.append(Box(tuple(offs), tuple(sizes)))
-        return out
+    # -- checks -----------------------------------------------------------
 
-    @staticmethod
-    def _decide(reg: _Region, rot: int) -> list[Decision]:
-        """The decisions for one part of a region at rotation ``rot``."""
-        out = [Decision(TransferKind.COPY, h, n) for h, n in reg.copies]
-        pulling = reg.pulling
-        if not pulling:
-            return out
-        if reg.holders_in:
-            m = len(reg.holders_in)
-            for j, n in enumerate(pulling):
-                out.append(Decision(TransferKind.PULL, reg.holders_in[(rot + j) % m], n))
-            return out
-        leader = pulling[rot % len(pulling)]
-        out.append(Decision(TransferKind.PULL, reg.holders_out[rot % len(reg.holders_out)], leader))
-        for n in pulling:
-            if n is not leader:
-                out.append(Decision(TransferKind.FWD, leader, n))
-        return out
-
-    # -- outputs ----------------------------------------------------------
+    def _check(self, fam: _Family, domain: int) -> None:
+        """Resolve and check the family for ``domain``, recording problems."""
+        needs, nkey = self._needs_of(fam, domain)
+        if not needs.items:
+            return
+        holders, hkey = self._holders_of(fam)
+        cells = self._cells_of(nkey, hkey, needs, holders)
+        if cells.uncovered or not needs.distinct:
+            found = problems(cells, needs, fam.names, fam.shape)
+            if found:
+                self._region_problems[(fam.index, domain)] = found
 
     def problems(self, rank: int | None = None) -> list[Problem]:
         """Problems with the inputs; with ``rank``, only those its plan touches
         (plus every problem found while indexing the layouts)."""
         for fam in self._families:
-            if rank is None:
-                domains: Iterable[int] = fam.dst_domains
-            elif rank in fam.src_ranks:
-                domains = fam.dst_domains
-            elif rank in fam.dst_ranks:
-                domains = (self._domain(rank),)
-            else:
+            if fam.checked:
                 continue
-            for dom in domains:
-                self._family_regions(fam, dom)
+            if rank is None or self._on_side(True, fam.src_side, rank):
+                for dom in self._domains(fam):
+                    if (fam.index, dom) not in self._checked:
+                        self._check(fam, dom)
+                fam.checked = True
+            elif self._on_side(False, fam.dst_side, rank):
+                key = (fam.index, self._domain(rank))
+                if key not in self._checked:
+                    self._checked.add(key)
+                    self._check(fam, key[1])
         out = list(self._problems)
         for key in sorted(self._region_problems):
             out.extend(self._region_problems[key])
@@ -514,6 +424,8 @@ class Planner:
         if problems:
             raise PlanError(problems)
 
+    # -- a rank's plan ----------------------------------------------------
+
     def plan_for(self, rank: int) -> RankPlan:
         """The transfers ``rank`` takes part in, grouped by round and peer.
 
@@ -523,135 +435,147 @@ class Planner:
             return self._plan_for(rank)
 
     def _resolve_ref(self, fam: _Family, side: str, ref: Ref) -> tuple:
-        """A ref with its grid box looked up once per family: ("s", i) or ("g", gi, coord, box)."""
+        """A ref with its grid box looked up once per family: ("s", i) or ("g", gi, coord, box).
+        The same object for the same place, so slots can be cached by its id."""
         if ref[0] == "s":
             return ref
         _, gi, coord = ref
         key = (side, gi, coord)
-        box = fam.boxes.get(key)
-        if box is None:
+        got = fam.refs.get(key)
+        if got is None:
             info = (self.sources if side == "src" else self.dests).grids[
                 (fam.src_grids if side == "src" else fam.dst_grids)[gi]
             ]
-            box = fam.boxes[key] = grid_box(info.grid, fam.shape, coord)
-        return ("g", gi, coord, box)
+            got = fam.refs[key] = ("g", gi, coord, grid_box(info.grid, fam.shape, coord))
+        return got
+
+    def _row(self, fam: _Family, decisions: list[Decision]) -> list[tuple]:
+        """A rank's decisions with refs resolved: (kind, src rank, reads a
+        destination slot, src ref, dst rank, dst ref)."""
+        out = []
+        for kind, (sr, sref), (dr, dref) in decisions:
+            fwd = kind is _FWD
+            s = self._resolve_ref(fam, "dst" if fwd else "src", sref)
+            out.append((kind, sr, fwd, s, dr, self._resolve_ref(fam, "dst", dref)))
+        return out
 
     def _emit(self, fam: _Family, rank: int, tables: list, rounds: dict[int, Round]) -> None:
         """Instantiate the decisions in ``tables`` for every member of ``fam``."""
         # Resolve refs once per family and domain, not once per member.
         prepared: list[tuple] = []
         for part, period, per, reg, base in tables:
-            if per is None:
-                prepared.append((part, period, None, reg, base))
-                continue
-            rows: list[list[tuple]] | None = []
-            for decisions in per:
-                row = []
-                for kind, (sr, sref), (dr, dref) in decisions:
-                    s_side = "dst" if kind is TransferKind.FWD else "src"
-                    row.append(
-                        (
-                            kind,
-                            sr,
-                            s_side == "dst",
-                            self._resolve_ref(fam, s_side, sref),
-                            dr,
-                            self._resolve_ref(fam, "dst", dref),
-                        )
-                    )
-                rows.append(row)  # type: ignore[union-attr]
-            prepared.append((part, period, rows, reg, base))
+            rows = None if per is None else [self._row(fam, decisions) for decisions in per]
+            prepared.append((part, part.numel, period, rows, reg, base))
         src_grids, dst_grids = self.sources.grids, self.dests.grids
-        single_round = self.rounds.single
-        split = self.rounds.split
+        table = self.rounds
+        first_round, num_blocks, split = table.first_round, table.num_blocks, table.split
         itemsize = fam.itemsize
-        src_metas, dst_metas = self.sources.metas, self.dests.metas
+        src_dtype = fam.dtype
+        names, src_stores, dst_stores, dst_dtypes = fam.names, fam.src_store, fam.dst_store, fam.dst_dtypes
+        make = _make_slot
         for m, ordinal in enumerate(fam.ordinals):
-            name = fam.names[m]
-            src_store = fam.src_store[m]
-            dst_store = fam.dst_store[m]
-            src_dtype = src_metas[name].dtype
-            dst_dtype = dst_metas[name].dtype
-            single = single_round(ordinal)
-            for part, period, rows, reg, base in prepared:
-                if rows is None:
-                    row = []
-                    for kind, (sr, sref), (dr, dref) in self._decide(reg, ordinal + base):
-                        if rank in (sr, dr):
-                            s_side = "dst" if kind is TransferKind.FWD else "src"
-                            row.append(
-                                (
-                                    kind,
-                                    sr,
-                                    s_side == "dst",
-                                    self._resolve_ref(fam, s_side, sref),
-                                    dr,
-                                    self._resolve_ref(fam, "dst", dref),
-                                )
-                            )
-                else:
+            name = names[m]
+            src_store = src_stores[m]
+            dst_store = dst_stores[m]
+            dst_dtype = dst_dtypes[m]
+            single = first_round[ordinal] if num_blocks[ordinal] == 1 else None
+            # A sender's slot serves every peer it sends that box to.
+            slots: dict[int, Slot] = {}
+            for part, numel, period, rows, reg, base in prepared:
+                if rows is not None:
                     row = rows[ordinal % period]
+                else:
+                    row = self._row(fam, decide_for(reg, ordinal + base, rank))
                 for kind, sr, s_from_dst, sref, dr, dref in row:
-                    if s_from_dst:
-                        s_slot = _make_slot(dst_store, dst_grids, sref, sr, name, dst_dtype)
-                        wire_size = dtype_size(s_slot.dtype)
+                    s_slot = slots.get(id(sref))
+                    if s_slot is None:
+                        if s_from_dst:
+                            s_slot = make(dst_store, dst_grids, sref, sr, name, dst_dtype)
+                        else:
+                            s_slot = make(src_store, src_grids, sref, sr, name, src_dtype)
+                        slots[id(sref)] = s_slot
+                    d_slot = slots.get(id(dref))
+                    if d_slot is None:
+                        d_slot = slots[id(dref)] = make(dst_store, dst_grids, dref, dr, name, dst_dtype)
+                    wire_size = dtype_size(s_slot.dtype) if s_from_dst else itemsize
+                    if single is not None:
+                        parts = [(single, part, numel)]
                     else:
-                        s_slot = _make_slot(src_store, src_grids, sref, sr, name, src_dtype)
-                        wire_size = itemsize
-                    d_slot = _make_slot(dst_store, dst_grids, dref, dr, name, dst_dtype)
-                    parts = [(single, part)] if single is not None else split(ordinal, part)
-                    for rnd, sub in parts:
-                        if kind is TransferKind.FWD:
+                        parts = [(rnd, sub, sub.numel) for rnd, sub in split(ordinal, part)]
+                    for rnd, sub, n in parts:
+                        if s_from_dst:
                             rnd += 1
-                        t = Transfer(name, sub, s_slot, d_slot, kind, rnd, sub.numel * wire_size, ordinal, s_slot.dtype)
+                        t = Transfer(name, sub, s_slot, d_slot, kind, rnd, n * wire_size, ordinal, s_slot.dtype)
                         rp = rounds.get(rnd)
                         if rp is None:
                             rp = rounds[rnd] = Round(rnd)
-                        if kind is TransferKind.COPY:
+                        if kind is _COPY:
                             rp.copies.append(t)
                         elif sr == rank:
-                            rp.sends.setdefault(dr, []).append(t)
+                            got = rp.sends.get(dr)
+                            if got is None:
+                                rp.sends[dr] = [t]
+                            else:
+                                got.append(t)
                         else:
-                            rp.recvs.setdefault(sr, []).append(t)
+                            got = rp.recvs.get(sr)
+                            if got is None:
+                                rp.recvs[sr] = [t]
+                            else:
+                                got.append(t)
 
     def _plan_for(self, rank: int) -> RankPlan:
         self.check(rank)
         my_domain = self._domain(rank)
         rounds: dict[int, Round] = {}
+        domain_of, split_bytes = self._domain, self.split_bytes
         for fam in self._families:
-            is_src = rank in fam.src_ranks
-            if not is_src and rank not in fam.dst_ranks:
+            is_src = self._on_side(True, fam.src_side, rank)
+            if not is_src and not self._on_side(False, fam.dst_side, rank):
                 continue
+            holders, hkey = self._holders_of(fam)
+            hbits = holders.bits_of(rank) if is_src else 0
             n_members = len(fam.ordinals)
-            for dom in fam.dst_domains if is_src else (my_domain,):
+            tables: list[tuple] = []
+            # A rank that holds part of the family may send it to any domain;
+            # one that only needs it, or holds nothing of it, plans its own.
+            for dom in self._domains(fam) if hbits else (my_domain,):
+                needs, nkey = self._needs_of(fam, dom)
+                nbits = needs.bits.get(rank, 0)
+                if not (nbits or hbits) or not needs.items:
+                    continue
+                cells = self._cells_of(nkey, hkey, needs, holders)
+                walk = cells.walk
                 # Per part: the decisions that involve this rank, by rotation residue.
-                tables: list[tuple] = []
-                for ri, reg in enumerate(self._family_regions(fam, dom)):
-                    if rank not in reg.ranks:
+                for ri, ci in enumerate(cells.order):
+                    nmask, hmask, _ = walk[ci]
+                    if not (nmask & nbits or hmask & hbits):
                         continue
+                    reg = region(cells, ci, needs, holders, dom, domain_of, fam.itemsize, split_bytes)
                     period = reg.period
                     for pi, part in enumerate(reg.parts):
                         base = ri + pi + dom
-                        if period <= max(64, n_members):
-                            per = [
-                                [x for x in self._decide(reg, res + base) if x[1][0] == rank or x[2][0] == rank]
-                                for res in range(period)
-                            ]
+                        # Decisions repeat with the period: tabulate them when
+                        # members outnumber residues, else decide per member.
+                        if period <= n_members:
+                            per = [decide_for(reg, res + base, rank) for res in range(period)]
                             if any(per):
                                 tables.append((part, period, per, reg, base))
                         else:
                             tables.append((part, 0, None, reg, base))
-                if not tables:
-                    continue
+            if tables:
                 self._emit(fam, rank, tables, rounds)
         out = [rounds[k] for k in sorted(rounds)]
+        key = Transfer.sort_key
         for rp in out:
             for ts in rp.sends.values():
-                ts.sort(key=Transfer.sort_key)
+                ts.sort(key=key)
             for ts in rp.recvs.values():
-                ts.sort(key=Transfer.sort_key)
-            rp.copies.sort(key=Transfer.sort_key)
+                ts.sort(key=key)
+            rp.copies.sort(key=key)
         return RankPlan(rank=rank, rounds=out, num_rounds=self.rounds.num_rounds + 1)
+
+    # -- the whole plan ---------------------------------------------------
 
     def traffic(self) -> Traffic:
         """Bytes per rank and link class of the whole plan, without building it.
@@ -666,21 +590,32 @@ class Planner:
     def _traffic(self) -> Traffic:
         self.check()
         t = Traffic(domain_of=self._domain, num_rounds=self.rounds.num_rounds + 1)
+        pairs, transfers, local = t.pairs, t.transfers, t.local
+        domain_of, split_bytes = self._domain, self.split_bytes
         for fam in self._families:
-            for d in fam.dst_domains:
-                for ri, reg in enumerate(self._family_regions(fam, d)):
+            holders, hkey = self._holders_of(fam)
+            itemsize = fam.itemsize
+            hists: dict[int, list[tuple[int, int]]] = {}
+            for d in self._domains(fam):
+                needs, nkey = self._needs_of(fam, d)
+                if not needs.items:
+                    continue
+                cells = self._cells_of(nkey, hkey, needs, holders)
+                for ri, ci in enumerate(cells.order):
+                    reg = region(cells, ci, needs, holders, d, domain_of, itemsize, split_bytes)
                     period = reg.period
-                    hist = Counter(o % period for o in fam.ordinals)
+                    hist = hists.get(period)
+                    if hist is None:
+                        hist = hists[period] = sorted(Counter(o % period for o in fam.ordinals).items())
                     for pi, part in enumerate(reg.parts):
-                        nbytes = part.numel * fam.itemsize
-                        for residue, count in hist.items():
-                            rot = residue + ri + pi + d
-                            for kind, (sr, _), (dr, _) in self._decide(reg, rot):
-                                if kind is TransferKind.COPY:
-                                    t.local[dr] += nbytes * count
+                        nbytes = part.numel * itemsize
+                        for residue, count in hist:
+                            for kind, (sr, _), (dr, _) in decide(reg, residue + ri + pi + d):
+                                if kind is _COPY:
+                                    local[dr] += nbytes * count
                                 else:
-                                    t.pairs[(sr, dr)] += nbytes * count
-                                    t.transfers[(sr, dr)] += count
+                                    pairs[(sr, dr)] += nbytes * count
+                                    transfers[(sr, dr)] += count
         return t.finish()
 
     def domain_ingress(self) -> Counter:
@@ -688,12 +623,17 @@ class Planner:
         (each element counted once per domain): what must cross into it."""
         self.check()
         out: Counter = Counter()
-        for fam in self._families:
-            n = len(fam.names)
-            for d in fam.dst_domains:
-                for reg in self._family_regions(fam, d):
-                    if not reg.holders_in:
-                        out[d] += sum(p.numel for p in reg.parts) * fam.itemsize * n
+        with gc_paused():
+            for fam in self._families:
+                holders, hkey = self._holders_of(fam)
+                per = fam.itemsize * len(fam.names)
+                for d in self._domains(fam):
+                    needs, nkey = self._needs_of(fam, d)
+                    if not needs.items:
+                        continue
+                    for _, hmask, merged in self._cells_of(nkey, hkey, needs, holders).walk:
+                        if d not in holders.merged(hmask, self._domain)[2]:
+                            out[d] += sum(b.numel for b in merged) * per
         return out
 
     # -- facts for reports --------------------------------------------------
@@ -706,7 +646,7 @@ class Planner:
         """Bytes of destination data ``rank`` keeps (from its layout)."""
         total = 0
         for fam in self._families:
-            if rank not in fam.dst_ranks:
+            if not self._on_side(False, fam.dst_side, rank):
                 continue
             per = 0
             for g in fam.dst_grids:
