@@ -114,6 +114,8 @@ class LayoutSet:
         self._digests: dict[int, str] = {}
         self._geometry_ids: dict[tuple, int] = {}
         self._geo_of_grid: list[int] = []
+        self._meshes: set = set()
+        self._declared: dict[int, Sequence[TensorMeta]] = {}
 
     # -- building ---------------------------------------------------------
 
@@ -162,8 +164,15 @@ class LayoutSet:
         digest = self._digests.get(key)
         if digest is None:
             digest = self._digests[key] = table_digest(layout.tensors)
-        for meta in layout.tensors:
-            self._declare(meta, rank)
+        tensors = layout.tensors
+        if self._declared.get(id(tensors)) is not tensors:
+            for meta in tensors:
+                self._declare(meta, rank)
+            # Every rank of a side shares one table: once each of its metas is
+            # the declared one, declaring it again for another rank does nothing.
+            metas = self.metas
+            if all(metas[m.name] is m for m in tensors):
+                self._declared[id(tensors)] = tensors
         for grid in layout.grids:
             self._add_grid(digest, layout.tensors, grid, publisher=rank)
         for i, p in enumerate(layout.pieces):
@@ -172,8 +181,14 @@ class LayoutSet:
     def add_grid(self, tensors: Sequence[TensorMeta], grid: Grid) -> None:
         """Add a grid that speaks for all its ranks (no per-rank publication)."""
         first = grid.mesh.rank_at((0,) * len(grid.mesh.shape))
+        metas = self.metas
         for meta in tensors[slice(*grid.tensors)]:
-            self._declare(meta, first)
+            old = metas.get(meta.name)
+            if old is None:
+                metas[meta.name] = meta
+                self.declared_by[meta.name] = first
+            elif old is not meta:
+                self._declare(meta, first)
         self._add_grid(None, tensors, grid, publisher=None)
 
     def _add_grid(self, digest: str | None, tensors: Sequence[TensorMeta], grid: Grid, publisher: int | None) -> None:
@@ -206,13 +221,18 @@ class LayoutSet:
                     )
                 )
                 rng = range(0)
+            metas, tensor_grids = self.metas, self.tensor_grids
             for pos, ti in enumerate(rng):
                 meta = tensors[ti]
-                names.append(meta.name)
-                if self.metas.get(meta.name) == meta:  # else a disagreement _declare reported
-                    self.tensor_grids[meta.name].append((gid, pos))
+                name = meta.name
+                names.append(name)
+                old = metas.get(name)
+                if old is meta or old == meta:  # else a disagreement _declare reported
+                    tensor_grids[name].append((gid, pos))
             self.grid_names.append(names)
-            self.ranks.update(info.ranks)
+            if grid.mesh not in self._meshes:  # an engine's hundreds of grids share one mesh
+                self._meshes.add(grid.mesh)
+                self.ranks.update(info.ranks)
             self._check_grid(info, [tensors[i] for i in rng])
         pubs = self._publishers[gid]
         if pubs is not None and publisher is not None:
@@ -221,7 +241,7 @@ class LayoutSet:
     def _check_grid(self, info: GridInfo, metas: list[TensorMeta]) -> None:
         g = info.grid
         nd_mesh = len(g.mesh.shape)
-        for meta in metas[:1] + metas[-1:]:
+        for meta in metas[:1] + metas[1:][-1:]:  # the first and the last (once when they are one)
             ndim = len(meta.shape)
             bad_axes = [a for axes in g.shard for a in axes if not 0 <= a < nd_mesh]
             if len(g.shard) != ndim or bad_axes:
@@ -239,11 +259,13 @@ class LayoutSet:
             if g.local is None:
                 continue
             pos = metas.index(meta)
-            for r, c in zip(info.ranks, info.coords, strict=True):
-                if self.check_ranks is not None and r not in self.check_ranks:
-                    continue
-                slot = info.slot(meta, pos, r, c)
-                self._check_slot(meta, slot, None)
+            if self.check_ranks is None and all(
+                self._slot_problem(meta, info.slot(meta, pos, ranks[0], first)) is None
+                for first, ranks, _ in info.groups()
+            ):
+                continue  # ranks of a group hold one box alike: all pass when one does
+            for r, c in self._checked(info):
+                self._check_slot(meta, info.slot(meta, pos, r, c), None)
 
     def _add_piece(self, layout: Layout, index: int, p) -> None:
         rank = layout.rank
@@ -268,46 +290,54 @@ class LayoutSet:
             self.tensor_slots[meta.name].append(slot)
 
     def _check_slot(self, meta: TensorMeta, slot: Slot, rank: int | None) -> bool:
+        problem = self._slot_problem(meta, slot)
+        if problem is not None:
+            self.problems.append(problem)
+        return problem is None
+
+    def _slot_problem(self, meta: TensorMeta, slot: Slot) -> Problem | None:
+        """What is wrong with where ``slot`` puts its box (nothing of it depends on the rank but the message)."""
         ranks = (slot.rank,)
         if not slot.box.within(meta.shape):
-            self.problems.append(
-                Problem(
-                    kind="out-of-range",
-                    tensor=meta.name,
-                    ranks=ranks,
-                    message=f"{self.role} rank {slot.rank}: box {slot.box} is outside tensor {meta.name!r} "
-                    f"of shape {list(meta.shape)}",
-                )
+            return Problem(
+                kind="out-of-range",
+                tensor=meta.name,
+                ranks=ranks,
+                message=f"{self.role} rank {slot.rank}: box {slot.box} is outside tensor {meta.name!r} "
+                f"of shape {list(meta.shape)}",
             )
-            return False
         dims = slot.dims or tuple(range(len(meta.shape)))
         nd = len(slot.local_shape)
         if len(dims) != len(meta.shape) or len(set(dims)) != len(dims) or any(not 0 <= d < nd for d in dims):
-            self.problems.append(
-                Problem(
-                    kind="layout",
-                    tensor=meta.name,
-                    ranks=ranks,
-                    message=f"{self.role} rank {slot.rank}: dims {slot.dims} of {meta.name!r} do not map "
-                    f"{len(meta.shape)} global dims into local {slot.local!r} of shape {list(slot.local_shape)}",
-                )
+            return Problem(
+                kind="layout",
+                tensor=meta.name,
+                ranks=ranks,
+                message=f"{self.role} rank {slot.rank}: dims {slot.dims} of {meta.name!r} do not map "
+                f"{len(meta.shape)} global dims into local {slot.local!r} of shape {list(slot.local_shape)}",
             )
-            return False
         offs, sizes = slot.local_box(slot.box)
         if len(slot.offset) != nd or not all(
             o >= 0 and o + s <= n for o, s, n in zip(offs, sizes, slot.local_shape, strict=True)
         ):
-            self.problems.append(
-                Problem(
-                    kind="out-of-range",
-                    tensor=meta.name,
-                    ranks=ranks,
-                    message=f"{self.role} rank {slot.rank}: box {slot.box} of {meta.name!r} lands at "
-                    f"{list(offs)} size {list(sizes)}, outside local {slot.local!r} of shape {list(slot.local_shape)}",
-                )
+            return Problem(
+                kind="out-of-range",
+                tensor=meta.name,
+                ranks=ranks,
+                message=f"{self.role} rank {slot.rank}: box {slot.box} of {meta.name!r} lands at "
+                f"{list(offs)} size {list(sizes)}, outside local {slot.local!r} of shape {list(slot.local_shape)}",
             )
-            return False
-        return True
+        return None
+
+    def _checked(self, info: GridInfo) -> Iterable[tuple[int, tuple[int, ...]]]:
+        """``(rank, coord)`` of the grid's ranks whose storage this set checks,
+        in mesh order: found through the ranks to check, not by walking a
+        mesh of thousands for one rank."""
+        mine = self.check_ranks
+        if mine is None:
+            return zip(info.ranks, info.coords, strict=True)
+        found = sorted((c, r) for r in mine for c in info.coord_of.get(r, ()))
+        return [(r, c) for c, r in found]
 
     def finish(self) -> None:
         for gid, pubs in enumerate(self._publishers):
@@ -364,9 +394,7 @@ class LayoutSet:
             if info.grid.local is None or not names:
                 continue
             first, last = self.metas[names[0]], self.metas[names[-1]]
-            for r, c in zip(info.ranks, info.coords, strict=True):
-                if mine is not None and r not in mine:
-                    continue
+            for r, c in self._checked(info):
                 a = info.slot(first, 0, r, c)
                 z = info.slot(last, len(names) - 1, r, c)
                 if a.box.is_empty():
