@@ -55,7 +55,18 @@ from reshard.plan.box import Box
 from reshard.plan.index import LayoutSet, Ref, gc_paused, natural_order
 from reshard.plan.items import RankPlan, Round, Transfer, TransferKind
 from reshard.plan.layout import GridInfo, Slot, TensorMeta, cast_ok, dtype_size, grid_box, zeros
-from reshard.plan.regions import Cells, Decision, Endpoint, Holders, Needs, cut, decide, decide_for, problems, region
+from reshard.plan.regions import (
+    Cells,
+    Decision,
+    Endpoint,
+    Holders,
+    Needs,
+    bits,
+    cut,
+    decide_for,
+    problems,
+    region,
+)
 from reshard.plan.rounds import DEFAULT_ROUND_BYTES, RoundTable
 from reshard.plan.traffic import Traffic
 
@@ -592,30 +603,74 @@ class Planner:
         t = Traffic(domain_of=self._domain, num_rounds=self.rounds.num_rounds + 1)
         pairs, transfers, local = t.pairs, t.transfers, t.local
         domain_of, split_bytes = self._domain, self.split_bytes
+        # The decisions of region() and decide(), on ranks only: this visits
+        # every cell of every family in every domain (millions at 2,048 ranks).
         for fam in self._families:
             holders, hkey = self._holders_of(fam)
             itemsize = fam.itemsize
+            n_members = len(fam.ordinals)
             hists: dict[int, list[tuple[int, int]]] = {}
             for d in self._domains(fam):
                 needs, nkey = self._needs_of(fam, d)
-                if not needs.items:
+                items = needs.items
+                if not items:
                     continue
                 cells = self._cells_of(nkey, hkey, needs, holders)
+                walk, numels = cells.walk, cells.numels
                 for ri, ci in enumerate(cells.order):
-                    reg = region(cells, ci, needs, holders, d, domain_of, itemsize, split_bytes)
-                    period = reg.period
+                    nmask, hmask, _ = walk[ci]
+                    hs, hlist, doms = holders.merged(hmask, domain_of)
+                    if nmask & (nmask - 1):
+                        needers = sorted(items[j][0] for j in bits(nmask))
+                    else:
+                        needers = [items[nmask.bit_length() - 1][0]]
+                    pulling = [n for n in needers if n not in hs]
+                    if len(pulling) < len(needers):
+                        cell_bytes = numels[ci] * itemsize * n_members
+                        for n in needers:
+                            if n in hs:
+                                local[n] += cell_bytes
+                    n_pull = len(pulling)
+                    if not n_pull:
+                        continue
+                    if d in doms:
+                        srcs = [h[0] for h in hlist if domain_of(h[0]) == d]
+                        cands, inside = len(srcs), True
+                    else:
+                        srcs = [h[0] for h in hlist]
+                        cands, inside = max(len(srcs), n_pull), False
+                    n_src = len(srcs)
+                    parts = cells.parts(ci, fam.itemsize, cands, split_bytes)
+                    if n_src == 1 and n_pull == 1:
+                        # One sender, one receiver: every part of every member.
+                        key = (srcs[0], pulling[0])
+                        pairs[key] += numels[ci] * itemsize * n_members
+                        transfers[key] += len(parts) * n_members
+                        continue
+                    period = math.lcm(n_src, n_pull)
                     hist = hists.get(period)
                     if hist is None:
                         hist = hists[period] = sorted(Counter(o % period for o in fam.ordinals).items())
-                    for pi, part in enumerate(reg.parts):
+                    for pi, part in enumerate(parts):
                         nbytes = part.numel * itemsize
                         for residue, count in hist:
-                            for kind, (sr, _), (dr, _) in decide(reg, residue + ri + pi + d):
-                                if kind is _COPY:
-                                    local[dr] += nbytes * count
-                                else:
-                                    pairs[(sr, dr)] += nbytes * count
-                                    transfers[(sr, dr)] += count
+                            rot = residue + ri + pi + d
+                            size = nbytes * count
+                            if inside:
+                                for j, n in enumerate(pulling):
+                                    key = (srcs[(rot + j) % n_src], n)
+                                    pairs[key] += size
+                                    transfers[key] += count
+                                continue
+                            leader = pulling[rot % n_pull]
+                            key = (srcs[rot % n_src], leader)
+                            pairs[key] += size
+                            transfers[key] += count
+                            for n in pulling:
+                                if n != leader:
+                                    key = (leader, n)
+                                    pairs[key] += size
+                                    transfers[key] += count
         return t.finish()
 
     def domain_ingress(self) -> Counter:
@@ -631,9 +686,13 @@ class Planner:
                     needs, nkey = self._needs_of(fam, d)
                     if not needs.items:
                         continue
-                    for _, hmask, merged in self._cells_of(nkey, hkey, needs, holders).walk:
+                    cells = self._cells_of(nkey, hkey, needs, holders)
+                    got = 0
+                    for (_, hmask, _), numel in zip(cells.walk, cells.numels, strict=True):
                         if d not in holders.merged(hmask, self._domain)[2]:
-                            out[d] += sum(b.numel for b in merged) * per
+                            got += numel
+                    if got:
+                        out[d] += got * per
         return out
 
     # -- facts for reports --------------------------------------------------

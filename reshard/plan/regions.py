@@ -141,10 +141,11 @@ class Cells:
     first box's offsets (cells are disjoint, so no two share one).
     """
 
-    __slots__ = ("_parts", "order", "uncovered", "walk")
+    __slots__ = ("_parts", "numels", "order", "uncovered", "walk")
 
     def __init__(self, walk: list[tuple[int, int, list[Box]]]) -> None:
         self.walk = walk
+        self.numels = [sum(b.numel for b in boxes) for _, _, boxes in walk]
         self.order = sorted(range(len(walk)), key=lambda i: walk[i][2][0].offsets)
         self.uncovered = any(not h for _, h, _ in walk)
         self._parts: dict[tuple[int, int, int], list[Box]] = {}
