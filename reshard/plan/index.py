@@ -181,15 +181,46 @@ class LayoutSet:
     def add_grid(self, tensors: Sequence[TensorMeta], grid: Grid) -> None:
         """Add a grid that speaks for all its ranks (no per-rank publication)."""
         first = grid.mesh.rank_at((0,) * len(grid.mesh.shape))
-        metas = self.metas
-        for meta in tensors[slice(*grid.tensors)]:
-            old = metas.get(meta.name)
-            if old is None:
-                metas[meta.name] = meta
-                self.declared_by[meta.name] = first
-            elif old is not meta:
+        rng = grid.tensor_indices()
+        if rng.start < 0 or rng.stop > len(tensors) or rng.step <= 0:
+            for meta in tensors[slice(*grid.tensors)]:
                 self._declare(meta, first)
-        self._add_grid(None, tensors, grid, publisher=None)
+            self._add_grid(None, tensors, grid, publisher=None)
+            return
+        # Declare and index each tensor in one pass (this runs once per tensor
+        # and side for every rank's plan).
+        gid, info = self._new_grid((f"direct:{len(self.grids)}", grid), grid, None)
+        metas, declared_by, tensor_grids = self.metas, self.declared_by, self.tensor_grids
+        names = []
+        for pos, ti in enumerate(rng):
+            meta = tensors[ti]
+            name = meta.name
+            names.append(name)
+            old = metas.get(name)
+            if old is None:
+                metas[name] = old = meta
+                declared_by[name] = first
+            elif old is not meta and not self._declare(meta, first):
+                continue
+            if old is meta or old == meta:
+                tensor_grids[name].append((gid, pos))
+        self._grid_indexed(gid, info, names, list(tensors[rng.start : rng.stop : rng.step]))
+
+    def _new_grid(self, key: tuple, grid: Grid, publisher: int | None) -> tuple[int, GridInfo]:
+        gid = len(self.grids)
+        self._grid_ids[key] = gid
+        info = GridInfo(grid)
+        self.grids.append(info)
+        self._publishers.append(set() if publisher is not None else None)
+        return gid, info
+
+    def _grid_indexed(self, gid: int, info: GridInfo, names: list[str], metas: list[TensorMeta]) -> None:
+        self.grid_names.append(names)
+        mesh = info.grid.mesh
+        if mesh not in self._meshes:  # an engine's hundreds of grids share one mesh
+            self._meshes.add(mesh)
+            self.ranks.update(info.ranks)
+        self._check_grid(info, metas)
 
     def _add_grid(self, digest: str | None, tensors: Sequence[TensorMeta], grid: Grid, publisher: int | None) -> None:
         key = (digest or f"direct:{len(self.grids)}", grid)
@@ -205,11 +236,7 @@ class LayoutSet:
             else:
                 self._grid_ids[key] = gid
         if gid is None:
-            gid = len(self.grids)
-            self._grid_ids[key] = gid
-            info = GridInfo(grid)
-            self.grids.append(info)
-            self._publishers.append(set() if publisher is not None else None)
+            gid, info = self._new_grid(key, grid, publisher)
             names = []
             rng = grid.tensor_indices()
             if rng.start < 0 or rng.stop > len(tensors) or rng.step <= 0:
@@ -229,11 +256,7 @@ class LayoutSet:
                 old = metas.get(name)
                 if old is meta or old == meta:  # else a disagreement _declare reported
                     tensor_grids[name].append((gid, pos))
-            self.grid_names.append(names)
-            if grid.mesh not in self._meshes:  # an engine's hundreds of grids share one mesh
-                self._meshes.add(grid.mesh)
-                self.ranks.update(info.ranks)
-            self._check_grid(info, [tensors[i] for i in rng])
+            self._grid_indexed(gid, info, names, list(tensors[rng.start : rng.stop : rng.step]))
         pubs = self._publishers[gid]
         if pubs is not None and publisher is not None:
             pubs.add(publisher)
@@ -460,6 +483,12 @@ class LayoutSet:
             geo = self.grids[len(ids)].geometry
             ids.append(self._geometry_ids.setdefault(geo, len(self._geometry_ids)))
         return ids[gid]
+
+    def geometry_ids(self) -> list[int]:
+        """:meth:`geometry_id` of every grid, by grid id (do not change it)."""
+        if self.grids:
+            self.geometry_id(len(self.grids) - 1)
+        return self._geo_of_grid
 
     def describe(self, name: str) -> tuple[object, tuple[list[tuple[int, int]], tuple[Slot, ...]]]:
         """``(geometry key, storage)`` of one tensor in one pass (the planner's hot path).

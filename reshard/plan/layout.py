@@ -394,13 +394,35 @@ class GridInfo:
 
     def offset(self, position: int) -> tuple[int, ...]:
         """Local offset of the chunk of the ``position``-th tensor (shared locals only)."""
+        storage = self._storage
+        if storage is None:
+            raise ValueError("a grid without a shared local tensor has no local offsets")
+        return _offset(storage, position)
+
+    @cached_property
+    def _storage(self) -> tuple | None:
+        """(local name, shape, dims, dtype, base offset, step, only the leading dim steps), or ``None``."""
         g = self.grid
-        assert g.local is not None
-        nd = len(g.local.shape)
-        base = g.offset or zeros(nd)
+        local = g.local
+        if local is None:
+            return None
+        nd = len(local.shape)
         step = g.step
-        if not step or not position:
-            return base
-        if step[1:] == zeros(nd - 1):  # expert stacks: only the leading dim moves
-            return (base[0] + position * step[0], *base[1:])
-        return tuple(b + position * s for b, s in zip(base, step, strict=True))
+        return (local.name, local.shape, g.dims, local.dtype, g.offset or zeros(nd), step, step[1:] == zeros(nd - 1))
+
+    def slot_at(self, rank: int, box: Box, position: int, name: str, dtype: str) -> Slot:
+        """The slot of ``rank``'s ``box`` of the ``position``-th tensor (named
+        ``name``, of ``dtype``): :meth:`slot` for the planner's hot path."""
+        storage = self._storage
+        if storage is None:
+            return Slot(rank, box, name, box.sizes, zeros(len(box.sizes)), (), dtype)
+        return Slot(rank, box, storage[0], storage[1], _offset(storage, position), storage[2], storage[3] or dtype)
+
+
+def _offset(storage: tuple, position: int) -> tuple[int, ...]:
+    base, step = storage[4], storage[5]
+    if not step or not position:
+        return base
+    if storage[6]:  # expert stacks: only the leading dim moves
+        return (base[0] + position * step[0], *base[1:])
+    return tuple(b + position * s for b, s in zip(base, step, strict=True))

@@ -54,7 +54,7 @@ from reshard.errors import PlanError, Problem
 from reshard.plan.box import Box
 from reshard.plan.index import LayoutSet, Ref, gc_paused, natural_order
 from reshard.plan.items import RankPlan, Round, Transfer, TransferKind
-from reshard.plan.layout import GridInfo, Slot, TensorMeta, cast_ok, dtype_size, grid_box, zeros
+from reshard.plan.layout import GridInfo, Slot, TensorMeta, cast_ok, dtype_size, grid_box
 from reshard.plan.regions import (
     Cells,
     Decision,
@@ -75,22 +75,9 @@ __all__ = ["DEFAULT_SPLIT_BYTES", "Decision", "Endpoint", "Planner"]
 DEFAULT_SPLIT_BYTES = 16 << 20
 """Regions larger than this are split so several replicas and leaders share them."""
 
+_NONE: list = []
 _FWD = TransferKind.FWD
 _COPY = TransferKind.COPY
-
-
-def _make_slot(store: tuple, grids: list[GridInfo], ref: tuple, rank: int, name: str, dtype: str) -> Slot:
-    """The slot behind ``ref``; ``dtype``: the tensor's dtype on that side."""
-    if ref[0] == "s":
-        return store[1][ref[1]]
-    _, gi, _coord, box = ref
-    gid, pos = store[0][gi]
-    info = grids[gid]
-    grid = info.grid
-    local = grid.local
-    if local is None:
-        return Slot(rank, box, name, box.sizes, zeros(len(box.sizes)), (), dtype)
-    return Slot(rank, box, local.name, local.shape, info.offset(pos), grid.dims, local.dtype or dtype)
 
 
 @dataclass(slots=True)
@@ -209,6 +196,8 @@ class Planner:
         dst_sides: dict[tuple, int] = {}
         missing: list[str] = []
         order = self.order
+        s_grids_of, s_slots_of, s_geo_ids = src.tensor_grids.get, src.tensor_slots.get, src.geometry_ids()
+        d_grids_of, d_slots_of, d_geo_ids = dst.tensor_grids.get, dst.tensor_slots.get, dst.geometry_ids()
         for ordinal, meta in enumerate(order):
             name = meta.name
             smeta = src_metas.get(name)
@@ -232,8 +221,20 @@ class Planner:
                 continue
             # The canonical dtype is the source's: that is what moves.
             order[ordinal] = smeta
-            s_geo, s_store = src.describe(name)
-            d_geo, d_store = dst.describe(name)
+            # describe() inlined for the common case (one grid a side, no
+            # explicit pieces): this loop runs once per tensor.
+            s_entries = s_grids_of(name, _NONE)
+            if len(s_entries) == 1 and not s_slots_of(name):
+                s_geo: object = s_geo_ids[s_entries[0][0]]
+                s_store: tuple = (s_entries, ())
+            else:
+                s_geo, s_store = src.describe(name)
+            d_entries = d_grids_of(name, _NONE)
+            if len(d_entries) == 1 and not d_slots_of(name):
+                d_geo: object = d_geo_ids[d_entries[0][0]]
+                d_store: tuple = (d_entries, ())
+            else:
+                d_geo, d_store = dst.describe(name)
             shape = smeta.shape
             key = (shape, smeta.dtype, s_geo, d_geo)
             fam = families.get(key)
@@ -483,39 +484,49 @@ class Planner:
         itemsize = fam.itemsize
         src_dtype = fam.dtype
         names, src_stores, dst_stores, dst_dtypes = fam.names, fam.src_store, fam.dst_store, fam.dst_dtypes
-        make = _make_slot
+        # This loop runs once per transfer of the plan (tens of thousands):
+        # slots are built inline, and a slot is reused while consecutive
+        # decisions name the same place (a sender's box sent to many peers).
+        # Each member's first decision sets both (the keys start at None).
+        s_slot: Slot = None  # type: ignore[assignment]
+        d_slot: Slot = None  # type: ignore[assignment]
         for m, ordinal in enumerate(fam.ordinals):
             name = names[m]
-            src_store = src_stores[m]
-            dst_store = dst_stores[m]
+            s_entries, s_slots = src_stores[m]
+            d_entries, d_slots = dst_stores[m]
             dst_dtype = dst_dtypes[m]
             single = first_round[ordinal] if num_blocks[ordinal] == 1 else None
-            # A sender's slot serves every peer it sends that box to.
-            slots: dict[int, Slot] = {}
+            s_key = d_key = None
             for part, numel, period, rows, reg, base in prepared:
                 if rows is not None:
                     row = rows[ordinal % period]
                 else:
                     row = self._row(fam, decide_for(reg, ordinal + base, rank))
-                for kind, sr, s_from_dst, sref, dr, dref in row:
-                    s_slot = slots.get(id(sref))
-                    if s_slot is None:
-                        if s_from_dst:
-                            s_slot = make(dst_store, dst_grids, sref, sr, name, dst_dtype)
+                for kind, sr, fwd, sref, dr, dref in row:
+                    if sref is not s_key:
+                        s_key = sref
+                        if sref[0] == "s":
+                            s_slot = (d_slots if fwd else s_slots)[sref[1]]
+                        elif fwd:
+                            gid, pos = d_entries[sref[1]]
+                            s_slot = dst_grids[gid].slot_at(sr, sref[3], pos, name, dst_dtype)
                         else:
-                            s_slot = make(src_store, src_grids, sref, sr, name, src_dtype)
-                        slots[id(sref)] = s_slot
-                    d_slot = slots.get(id(dref))
-                    if d_slot is None:
-                        d_slot = slots[id(dref)] = make(dst_store, dst_grids, dref, dr, name, dst_dtype)
-                    wire_size = dtype_size(s_slot.dtype) if s_from_dst else itemsize
+                            gid, pos = s_entries[sref[1]]
+                            s_slot = src_grids[gid].slot_at(sr, sref[3], pos, name, src_dtype)
+                    if dref is not d_key:
+                        d_key = dref
+                        if dref[0] == "s":
+                            d_slot = d_slots[dref[1]]
+                        else:
+                            gid, pos = d_entries[dref[1]]
+                            d_slot = dst_grids[gid].slot_at(dr, dref[3], pos, name, dst_dtype)
+                    wire_size = dtype_size(s_slot.dtype) if fwd else itemsize
+                    parts: tuple[tuple[int, Box, int], ...]
                     if single is not None:
-                        parts = [(single, part, numel)]
+                        parts = ((single + fwd, part, numel),)
                     else:
-                        parts = [(rnd, sub, sub.numel) for rnd, sub in split(ordinal, part)]
+                        parts = tuple((rnd + fwd, sub, sub.numel) for rnd, sub in split(ordinal, part))
                     for rnd, sub, n in parts:
-                        if s_from_dst:
-                            rnd += 1
                         t = Transfer(name, sub, s_slot, d_slot, kind, rnd, n * wire_size, ordinal, s_slot.dtype)
                         rp = rounds.get(rnd)
                         if rp is None:
