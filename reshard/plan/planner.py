@@ -48,25 +48,14 @@ from __future__ import annotations
 import math
 from collections import Counter
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
 
 from reshard.errors import PlanError, Problem
 from reshard.plan.box import Box
+from reshard.plan.families import Family, Geometry, build_families
 from reshard.plan.index import LayoutSet, Ref, gc_paused, natural_order
 from reshard.plan.items import RankPlan, Round, Transfer, TransferKind
-from reshard.plan.layout import GridInfo, Slot, TensorMeta, cast_ok, dtype_size, grid_box
-from reshard.plan.regions import (
-    Cells,
-    Decision,
-    Endpoint,
-    Holders,
-    Needs,
-    bits,
-    cut,
-    decide_for,
-    problems,
-    region,
-)
+from reshard.plan.layout import Slot, TensorMeta, dtype_size, grid_box
+from reshard.plan.regions import Decision, Endpoint, bits, decide_for, problems, region
 from reshard.plan.rounds import DEFAULT_ROUND_BYTES, RoundTable
 from reshard.plan.traffic import Traffic
 
@@ -75,46 +64,8 @@ __all__ = ["DEFAULT_SPLIT_BYTES", "Decision", "Endpoint", "Planner"]
 DEFAULT_SPLIT_BYTES = 16 << 20
 """Regions larger than this are split so several replicas and leaders share them."""
 
-_NONE: list = []
 _FWD = TransferKind.FWD
 _COPY = TransferKind.COPY
-
-
-@dataclass(slots=True)
-class _Side:
-    """What one side of a family's plan depends on: the shape, the grids
-    (those of the first tensor seen; others are laid out alike) and the
-    explicit pieces' ranks and boxes."""
-
-    shape: tuple[int, ...]
-    grids: tuple[int, ...]
-    slots: tuple[Slot, ...]
-
-
-@dataclass(slots=True)
-class _Family:
-    index: int
-    shape: tuple[int, ...]
-    dtype: str
-    itemsize: int
-    # Geometry (shared by members): the first member's grids and slots, and
-    # the ids of its source and destination sides (shared with other families).
-    src_grids: tuple[int, ...]
-    src_slots: tuple[Slot, ...]
-    dst_grids: tuple[int, ...]
-    dst_slots: tuple[Slot, ...]
-    src_side: int
-    dst_side: int
-    names: list[str] = field(default_factory=list)
-    ordinals: list[int] = field(default_factory=list)
-    dst_dtypes: list[str] = field(default_factory=list)
-    # Storage per member: ((grid id, position) list, explicit slots), aligned with the geometry.
-    src_store: list[tuple[list[tuple[int, int]], tuple[Slot, ...]]] = field(default_factory=list)
-    dst_store: list[tuple[list[tuple[int, int]], tuple[Slot, ...]]] = field(default_factory=list)
-    refs: dict[tuple, tuple] = field(default_factory=dict)
-    """Grid refs with their box, by (side, grid position, coord): equal for every member."""
-    checked: bool = False
-    """Every destination domain resolved and checked."""
 
 
 class Planner:
@@ -154,15 +105,6 @@ class Planner:
             self._domain = lambda r: mapping.get(r, -1 - r)
         self.split_bytes = split_bytes
         self._problems: list[Problem] = list(sources.problems) + list(dests.problems)
-        self._src_sides: list[_Side] = []
-        self._dst_sides: list[_Side] = []
-        self._holders: dict[int, tuple[Holders, int]] = {}
-        self._needs: dict[tuple[int, int], tuple[Needs, int]] = {}
-        self._side_domains: dict[int, tuple[int, ...]] = {}
-        self._mesh_domains: dict[object, dict[int, list[tuple[int, tuple[int, ...]]]]] = {}
-        self._box_ids: dict[tuple[Box, ...], int] = {}
-        self._cells: dict[tuple[int, int], Cells] = {}
-        self._on: dict[tuple[bool, int, int], bool] = {}
         self._checked: set[tuple[int, int]] = set()
         self._region_problems: dict[tuple[int, int], list[Problem]] = {}
         with gc_paused():
@@ -170,7 +112,9 @@ class Planner:
             # dtype (the canonical one) once its families are built.
             self.order: list[TensorMeta] = natural_order(list(dests.metas.values()))
             self.ordinal = {m.name: i for i, m in enumerate(self.order)}
-            self._families = self._build_families()
+            self._families, src_sides, dst_sides, found = build_families(self.order, sources, dests)
+        self._problems.extend(found)
+        self._geo = Geometry(sources, dests, src_sides, dst_sides, self._domain)
         self.round_bytes = round_bytes
         self._rounds: RoundTable | None = None
 
@@ -188,223 +132,32 @@ class Planner:
     def domain(self, rank: int) -> int:
         return self._domain(rank)
 
-    def _build_families(self) -> list[_Family]:
-        src, dst = self.sources, self.dests
-        src_metas = src.metas
-        families: dict[tuple, _Family] = {}
-        src_sides: dict[tuple, int] = {}
-        dst_sides: dict[tuple, int] = {}
-        missing: list[str] = []
-        order = self.order
-        s_grids_of, s_slots_of, s_geo_ids = src.tensor_grids.get, src.tensor_slots.get, src.geometry_ids()
-        d_grids_of, d_slots_of, d_geo_ids = dst.tensor_grids.get, dst.tensor_slots.get, dst.geometry_ids()
-        for ordinal, meta in enumerate(order):
-            name = meta.name
-            smeta = src_metas.get(name)
-            if smeta is None:
-                missing.append(name)
-                continue
-            if smeta is not meta and (smeta.shape != meta.shape or not cast_ok(smeta.dtype, meta.dtype)):
-                why = "" if smeta.shape != meta.shape else f" ({smeta.dtype} cannot be cast to {meta.dtype} on arrival)"
-                self._problems.append(
-                    Problem(
-                        kind="mismatch",
-                        tensor=name,
-                        ranks=(src.declared_by[name], dst.declared_by[name]),
-                        message=(
-                            f"tensor {name!r}: source rank {src.declared_by[name]} has shape {list(smeta.shape)} "
-                            f"{smeta.dtype}, destination rank {dst.declared_by[name]} needs shape "
-                            f"{list(meta.shape)} {meta.dtype}{why}"
-                        ),
-                    )
-                )
-                continue
-            # The canonical dtype is the source's: that is what moves.
-            order[ordinal] = smeta
-            # describe() inlined for the common case (one grid a side, no
-            # explicit pieces): this loop runs once per tensor.
-            s_entries = s_grids_of(name, _NONE)
-            if len(s_entries) == 1 and not s_slots_of(name):
-                s_geo: object = s_geo_ids[s_entries[0][0]]
-                s_store: tuple = (s_entries, ())
-            else:
-                s_geo, s_store = src.describe(name)
-            d_entries = d_grids_of(name, _NONE)
-            if len(d_entries) == 1 and not d_slots_of(name):
-                d_geo: object = d_geo_ids[d_entries[0][0]]
-                d_store: tuple = (d_entries, ())
-            else:
-                d_geo, d_store = dst.describe(name)
-            shape = smeta.shape
-            key = (shape, smeta.dtype, s_geo, d_geo)
-            fam = families.get(key)
-            if fam is None:
-                s_grids = tuple(g for g, _ in s_store[0])
-                d_grids = tuple(g for g, _ in d_store[0])
-                sid = src_sides.setdefault((shape, s_geo), len(src_sides))
-                if sid == len(self._src_sides):
-                    self._src_sides.append(_Side(shape, s_grids, s_store[1]))
-                did = dst_sides.setdefault((shape, d_geo), len(dst_sides))
-                if did == len(self._dst_sides):
-                    self._dst_sides.append(_Side(shape, d_grids, d_store[1]))
-                fam = families[key] = _Family(
-                    index=len(families),
-                    shape=shape,
-                    dtype=smeta.dtype,
-                    itemsize=dtype_size(smeta.dtype),
-                    src_grids=s_grids,
-                    src_slots=s_store[1],
-                    dst_grids=d_grids,
-                    dst_slots=d_store[1],
-                    src_side=sid,
-                    dst_side=did,
-                )
-            fam.names.append(name)
-            fam.ordinals.append(ordinal)
-            fam.dst_dtypes.append(meta.dtype)
-            fam.src_store.append(s_store)
-            fam.dst_store.append(d_store)
-        if missing:
-            names = missing  # already in natural order
-            self._problems.append(
-                Problem(
-                    kind="unknown-tensor",
-                    tensor=names[0],
-                    ranks=tuple(sorted({dst.declared_by[n] for n in names[:50]})),
-                    message=(
-                        f"{len(names)} tensor(s) needed by destination ranks are published by no source: "
-                        + ", ".join(repr(n) for n in names[:8])
-                        + (" ..." if len(names) > 8 else "")
-                        + f" (first needed by rank {dst.declared_by[names[0]]})"
-                    ),
-                )
-            )
-        return list(families.values())
-
     def _shares(self) -> list[int]:
         """Per tensor (by ordinal): max elements one rank receives + max one rank sends from."""
         shares = [math.prod(m.shape) for m in self.order]
         dst_top: dict[int, int] = {}
         src_top: dict[int, int] = {}
+        geo = self._geo
         for fam in self._families:
             d = dst_top.get(fam.dst_side)
             if d is None:
-                d = dst_top[fam.dst_side] = self._most_per_rank(self.dests, self._dst_sides[fam.dst_side])
+                d = dst_top[fam.dst_side] = geo.most_per_rank(False, fam.dst_side)
             s = src_top.get(fam.src_side)
             if s is None:
-                s = src_top[fam.src_side] = self._most_per_rank(self.sources, self._src_sides[fam.src_side])
+                s = src_top[fam.src_side] = geo.most_per_rank(True, fam.src_side)
             most = d + s
             for o in fam.ordinals:
                 shares[o] = most
         return shares
 
-    @staticmethod
-    def _most_per_rank(side: LayoutSet, geo: _Side) -> int:
-        """The most elements of one tensor any one rank holds (or needs) on ``side``."""
-        if not geo.slots and len(geo.grids) == 1:
-            info = side.grids[geo.grids[0]]
-            if info.distinct_ranks:
-                # One box per rank: the largest box, one per group of ranks.
-                return max((box.numel for box, _, _ in info.holders(geo.shape)), default=0)
-        per_rank: Counter = Counter()
-        for g in geo.grids:
-            for box, ranks, _ in side.grids[g].holders(geo.shape):
-                for r in ranks:
-                    per_rank[r] += box.numel
-        for sl in geo.slots:
-            per_rank[sl.rank] += sl.box.numel
-        return max(per_rank.values(), default=0)
-
-    def _box_id(self, boxes: tuple[Box, ...]) -> int:
-        return self._box_ids.setdefault(boxes, len(self._box_ids))
-
-    def _by_domain(self, info: GridInfo) -> dict[int, list[tuple[int, tuple[int, ...]]]]:
-        """Ranks (with coords) of a grid's mesh by domain, once per mesh."""
-        mesh = info.grid.mesh
-        got = self._mesh_domains.get(mesh)
-        if got is None:
-            got = self._mesh_domains[mesh] = {}
-            dom = self._domain
-            for r, c in zip(info.ranks, info.coords, strict=True):
-                got.setdefault(dom(r), []).append((r, c))
-        return got
-
-    def _domains(self, fam: _Family) -> tuple[int, ...]:
-        """Every domain with a rank that needs the family's tensors."""
-        got = self._side_domains.get(fam.dst_side)
-        if got is None:
-            side = self._dst_sides[fam.dst_side]
-            doms: set[int] = set()
-            for g in side.grids:
-                doms.update(self._by_domain(self.dests.grids[g]))
-            doms.update(self._domain(s.rank) for s in side.slots)
-            got = self._side_domains[fam.dst_side] = tuple(sorted(doms))
-        return got
-
-    def _on_side(self, source: bool, side_id: int, rank: int) -> bool:
-        """Is ``rank`` on a grid or slot of this side (holding or needing, maybe nothing)?"""
-        key = (source, side_id, rank)
-        got = self._on.get(key)
-        if got is None:
-            side = (self._src_sides if source else self._dst_sides)[side_id]
-            grids = (self.sources if source else self.dests).grids
-            got = any(rank in grids[g].coord_of for g in side.grids) or any(s.rank == rank for s in side.slots)
-            self._on[key] = got
-        return got
-
-    def _holders_of(self, fam: _Family) -> tuple[Holders, int]:
-        """Who holds which box of the family's tensors, once per source side."""
-        got = self._holders.get(fam.src_side)
-        if got is None:
-            side = self._src_sides[fam.src_side]
-            by_box: dict[Box, list[tuple[int, Ref]]] = {}
-            for gi, g in enumerate(side.grids):
-                for box, ranks, coords in self.sources.grids[g].holders(side.shape):
-                    by_box.setdefault(box, []).extend((r, ("g", gi, c)) for r, c in zip(ranks, coords, strict=True))
-            for si, s in enumerate(side.slots):
-                if not s.box.is_empty():
-                    by_box.setdefault(s.box, []).append((s.rank, ("s", si)))
-            holders = Holders([(b, sorted(m, key=lambda x: x[0])) for b, m in by_box.items()])
-            got = self._holders[fam.src_side] = (holders, self._box_id(holders.boxes))
-        return got
-
-    def _needs_of(self, fam: _Family, domain: int) -> tuple[Needs, int]:
-        """What ``domain``'s ranks need of the family's tensors, once per destination side."""
-        key = (fam.dst_side, domain)
-        got = self._needs.get(key)
-        if got is None:
-            side = self._dst_sides[fam.dst_side]
-            shape = side.shape
-            items: list[tuple[int, Box, Ref]] = []
-            for gi, g in enumerate(side.grids):
-                info = self.dests.grids[g]
-                grid = info.grid
-                for r, c in self._by_domain(info).get(domain, ()):
-                    box = grid_box(grid, shape, c)
-                    if not box.is_empty():
-                        items.append((r, box, ("g", gi, c)))
-            for si, s in enumerate(side.slots):
-                if self._domain(s.rank) == domain and not s.box.is_empty():
-                    items.append((s.rank, s.box, ("s", si)))
-            needs = Needs(items)
-            got = self._needs[key] = (needs, self._box_id(needs.boxes))
-        return got
-
-    def _cells_of(self, nkey: int, hkey: int, needs: Needs, holders: Holders) -> Cells:
-        got = self._cells.get((nkey, hkey))
-        if got is None:
-            got = self._cells[(nkey, hkey)] = cut(needs.boxes, holders.boxes)
-        return got
-
     # -- checks -----------------------------------------------------------
 
-    def _check(self, fam: _Family, domain: int) -> None:
+    def _check(self, fam: Family, domain: int) -> None:
         """Resolve and check the family for ``domain``, recording problems."""
-        needs, nkey = self._needs_of(fam, domain)
-        if not needs.items:
+        got = self._geo.resolve(fam, domain)
+        if got is None:
             return
-        holders, hkey = self._holders_of(fam)
-        cells = self._cells_of(nkey, hkey, needs, holders)
+        needs, _, cells = got
         if cells.uncovered or not needs.distinct:
             found = problems(cells, needs, fam.names, fam.shape)
             if found:
@@ -416,12 +169,12 @@ class Planner:
         for fam in self._families:
             if fam.checked:
                 continue
-            if rank is None or self._on_side(True, fam.src_side, rank):
-                for dom in self._domains(fam):
+            if rank is None or self._geo.on_side(True, fam.src_side, rank):
+                for dom in self._geo.domains(fam):
                     if (fam.index, dom) not in self._checked:
                         self._check(fam, dom)
                 fam.checked = True
-            elif self._on_side(False, fam.dst_side, rank):
+            elif self._geo.on_side(False, fam.dst_side, rank):
                 key = (fam.index, self._domain(rank))
                 if key not in self._checked:
                     self._checked.add(key)
@@ -446,7 +199,7 @@ class Planner:
         with gc_paused():
             return self._plan_for(rank)
 
-    def _resolve_ref(self, fam: _Family, side: str, ref: Ref) -> tuple:
+    def _resolve_ref(self, fam: Family, side: str, ref: Ref) -> tuple:
         """A ref with its grid box looked up once per family: ("s", i) or ("g", gi, coord, box).
         The same object for the same place, so slots can be cached by its id."""
         if ref[0] == "s":
@@ -461,7 +214,7 @@ class Planner:
             got = fam.refs[key] = ("g", gi, coord, grid_box(info.grid, fam.shape, coord))
         return got
 
-    def _row(self, fam: _Family, decisions: list[Decision]) -> list[tuple]:
+    def _row(self, fam: Family, decisions: list[Decision]) -> list[tuple]:
         """A rank's decisions with refs resolved: (kind, src rank, reads a
         destination slot, src ref, dst rank, dst ref)."""
         out = []
@@ -471,7 +224,7 @@ class Planner:
             out.append((kind, sr, fwd, s, dr, self._resolve_ref(fam, "dst", dref)))
         return out
 
-    def _emit(self, fam: _Family, rank: int, tables: list, rounds: dict[int, Round]) -> None:
+    def _emit(self, fam: Family, rank: int, tables: list, rounds: dict[int, Round]) -> None:
         """Instantiate the decisions in ``tables`` for every member of ``fam``."""
         # Resolve refs once per family and domain, not once per member.
         prepared: list[tuple] = []
@@ -550,23 +303,23 @@ class Planner:
         self.check(rank)
         my_domain = self._domain(rank)
         rounds: dict[int, Round] = {}
-        domain_of, split_bytes = self._domain, self.split_bytes
+        domain_of, split_bytes, geo = self._domain, self.split_bytes, self._geo
         for fam in self._families:
-            is_src = self._on_side(True, fam.src_side, rank)
-            if not is_src and not self._on_side(False, fam.dst_side, rank):
+            is_src = geo.on_side(True, fam.src_side, rank)
+            if not is_src and not geo.on_side(False, fam.dst_side, rank):
                 continue
-            holders, hkey = self._holders_of(fam)
+            holders = geo.holders(fam)[0]
             hbits = holders.bits_of(rank) if is_src else 0
             n_members = len(fam.ordinals)
             tables: list[tuple] = []
             # A rank that holds part of the family may send it to any domain;
             # one that only needs it, or holds nothing of it, plans its own.
-            for dom in self._domains(fam) if hbits else (my_domain,):
-                needs, nkey = self._needs_of(fam, dom)
-                nbits = needs.bits.get(rank, 0)
-                if not (nbits or hbits) or not needs.items:
+            for dom in geo.domains(fam) if hbits else (my_domain,):
+                nbits = geo.needs(fam, dom)[0].bits.get(rank, 0)
+                got = geo.resolve(fam, dom) if nbits or hbits else None
+                if got is None:
                     continue
-                cells = self._cells_of(nkey, hkey, needs, holders)
+                needs, _, cells = got
                 walk = cells.walk
                 # Per part: the decisions that involve this rank, by rotation residue.
                 for ri, ci in enumerate(cells.order):
@@ -613,20 +366,19 @@ class Planner:
         self.check()
         t = Traffic(domain_of=self._domain, num_rounds=self.rounds.num_rounds + 1)
         pairs, transfers, local = t.pairs, t.transfers, t.local
-        domain_of, split_bytes = self._domain, self.split_bytes
+        domain_of, split_bytes, geo = self._domain, self.split_bytes, self._geo
         # The decisions of region() and decide(), on ranks only: this visits
         # every cell of every family in every domain (millions at 2,048 ranks).
         for fam in self._families:
-            holders, hkey = self._holders_of(fam)
             itemsize = fam.itemsize
             n_members = len(fam.ordinals)
             hists: dict[int, list[tuple[int, int]]] = {}
-            for d in self._domains(fam):
-                needs, nkey = self._needs_of(fam, d)
-                items = needs.items
-                if not items:
+            for d in geo.domains(fam):
+                got = geo.resolve(fam, d)
+                if got is None:
                     continue
-                cells = self._cells_of(nkey, hkey, needs, holders)
+                needs, holders, cells = got
+                items = needs.items
                 walk, numels = cells.walk, cells.numels
                 for ri, ci in enumerate(cells.order):
                     nmask, hmask, _ = walk[ci]
@@ -691,13 +443,12 @@ class Planner:
         out: Counter = Counter()
         with gc_paused():
             for fam in self._families:
-                holders, hkey = self._holders_of(fam)
                 per = fam.itemsize * len(fam.names)
-                for d in self._domains(fam):
-                    needs, nkey = self._needs_of(fam, d)
-                    if not needs.items:
+                for d in self._geo.domains(fam):
+                    resolved = self._geo.resolve(fam, d)
+                    if resolved is None:
                         continue
-                    cells = self._cells_of(nkey, hkey, needs, holders)
+                    _, holders, cells = resolved
                     got = 0
                     for (_, hmask, _), numel in zip(cells.walk, cells.numels, strict=True):
                         if d not in holders.merged(hmask, self._domain)[2]:
@@ -716,7 +467,7 @@ class Planner:
         """Bytes of destination data ``rank`` keeps (from its layout)."""
         total = 0
         for fam in self._families:
-            if not self._on_side(False, fam.dst_side, rank):
+            if not self._geo.on_side(False, fam.dst_side, rank):
                 continue
             per = 0
             for g in fam.dst_grids:
