@@ -48,6 +48,8 @@ from __future__ import annotations
 import math
 from collections import Counter
 from collections.abc import Callable, Mapping
+from functools import cached_property
+from operator import attrgetter
 
 from reshard.errors import PlanError, Problem
 from reshard.plan.box import Box
@@ -66,6 +68,19 @@ DEFAULT_SPLIT_BYTES = 16 << 20
 
 _FWD = TransferKind.FWD
 _COPY = TransferKind.COPY
+
+
+_BY_ORDINAL = attrgetter("ordinal")
+
+
+def _sort(ts: list[Transfer]) -> None:
+    """Sort by :meth:`Transfer.sort_key`; by the ordinal alone (a key read
+    in C, not a method call per transfer) when no two share one."""
+    if len(ts) > 1:
+        if len(set(map(_BY_ORDINAL, ts))) == len(ts):
+            ts.sort(key=_BY_ORDINAL)
+        else:
+            ts.sort(key=Transfer.sort_key)
 
 
 class Planner:
@@ -111,12 +126,16 @@ class Planner:
             # Destination tensors in checkpoint order; each takes the source's
             # dtype (the canonical one) once its families are built.
             self.order: list[TensorMeta] = natural_order(list(dests.metas.values()))
-            self.ordinal = {m.name: i for i, m in enumerate(self.order)}
             self._families, src_sides, dst_sides, found = build_families(self.order, sources, dests)
         self._problems.extend(found)
         self._geo = Geometry(sources, dests, src_sides, dst_sides, self._domain)
         self.round_bytes = round_bytes
         self._rounds: RoundTable | None = None
+
+    @cached_property
+    def ordinal(self) -> dict[str, int]:
+        """Position of each destination tensor in :attr:`order`."""
+        return {m.name: i for i, m in enumerate(self.order)}
 
     @property
     def rounds(self) -> RoundTable:
@@ -341,13 +360,12 @@ class Planner:
             if tables:
                 self._emit(fam, rank, tables, rounds)
         out = [rounds[k] for k in sorted(rounds)]
-        key = Transfer.sort_key
         for rp in out:
             for ts in rp.sends.values():
-                ts.sort(key=key)
+                _sort(ts)
             for ts in rp.recvs.values():
-                ts.sort(key=key)
-            rp.copies.sort(key=key)
+                _sort(ts)
+            _sort(rp.copies)
         return RankPlan(rank=rank, rounds=out, num_rounds=self.rounds.num_rounds + 1)
 
     # -- the whole plan ---------------------------------------------------
