@@ -13,6 +13,7 @@ from reshard.costmodel.cost import gather_broadcast_cost, lower_bound, reshard_c
 from reshard.costmodel.delta import DeltaAssumptions, delta_cost
 from reshard.costmodel.rules import EngineSpec, SideLayouts, TrainerSpec, engine_layouts, trainer_layouts
 from reshard.plan.index import gc_paused
+from reshard.plan.layout import clear_caches
 from reshard.plan.planner import Planner
 from reshard.plan.rounds import DEFAULT_ROUND_BYTES
 
@@ -126,9 +127,17 @@ def plan_report(
     # Time single-rank plans first, in a small heap, as a rank would plan.
     ranks = sample_ranks if sample_ranks is not None else _sample(placement.trainer_ranks, placement.engine_ranks)
     plan_seconds = 0.0
-    for r in ranks:
-        gc.collect()
-        plan_seconds = max(plan_seconds, _time_one_rank(t_side, e_side, domain_of, r, round_bytes))
+    # What lives on (the model, the layouts) is frozen out of the collector,
+    # so the collection before each rank costs what that rank left behind.
+    gc.collect()
+    gc.freeze()
+    try:
+        for r in ranks:
+            clear_caches()  # each rank plans in its own process
+            gc.collect()
+            plan_seconds = max(plan_seconds, _time_one_rank(t_side, e_side, domain_of, r, round_bytes))
+    finally:
+        gc.unfreeze()
     # The whole plan's traffic. Each rank checks the storage of its own
     # pieces (the sampled ranks above did); checking every rank's here
     # would walk every grid's whole mesh and say nothing about traffic.

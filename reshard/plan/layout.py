@@ -47,6 +47,7 @@ __all__ = [
     "Slot",
     "TensorMeta",
     "cast_ok",
+    "clear_caches",
     "dtype_size",
     "grid_box",
     "layout_digest",
@@ -345,6 +346,14 @@ def _mesh_groups(mesh: Mesh, cut_axes: tuple[int, ...]) -> tuple[Group, ...]:
         members.sort()
         out.append((first, tuple(r for r, _ in members), tuple(c for _, c in members)))
     return tuple(out)
+
+
+def clear_caches() -> None:
+    """Forget the mesh indexes shared by grids (all planners of a process
+    share them). For measuring a rank's planning as a fresh process would."""
+    _mesh_index.cache_clear()
+    _mesh_rank_set.cache_clear()
+    _mesh_groups.cache_clear()
 
 
 class GridInfo:
