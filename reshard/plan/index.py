@@ -189,7 +189,7 @@ class LayoutSet:
             return
         # Declare and index each tensor in one pass (this runs once per tensor
         # and side for every rank's plan).
-        gid, info = self._new_grid((f"direct:{len(self.grids)}", grid), grid, None)
+        gid, info = self._new_grid(None, grid, None)  # a direct grid is never looked up again
         metas, declared_by, tensor_grids = self.metas, self.declared_by, self.tensor_grids
         names = []
         for pos, ti in enumerate(rng):
@@ -206,9 +206,10 @@ class LayoutSet:
                 tensor_grids[name].append((gid, pos))
         self._grid_indexed(gid, info, names, list(tensors[rng.start : rng.stop : rng.step]))
 
-    def _new_grid(self, key: tuple, grid: Grid, publisher: int | None) -> tuple[int, GridInfo]:
+    def _new_grid(self, key: tuple | None, grid: Grid, publisher: int | None) -> tuple[int, GridInfo]:
         gid = len(self.grids)
-        self._grid_ids[key] = gid
+        if key is not None:
+            self._grid_ids[key] = gid
         info = GridInfo(grid)
         self.grids.append(info)
         self._publishers.append(set() if publisher is not None else None)

@@ -348,6 +348,13 @@ def _mesh_groups(mesh: Mesh, cut_axes: tuple[int, ...]) -> tuple[Group, ...]:
     return tuple(out)
 
 
+@lru_cache(maxsize=1024)
+def _axes(shard: tuple[tuple[int, ...], ...], ndim: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(cut axes, replicated axes) of a mesh of ``ndim`` axes cut by ``shard``."""
+    cut = {a for axes in shard for a in axes}
+    return tuple(sorted(cut)), tuple(a for a in range(ndim) if a not in cut)
+
+
 def clear_caches() -> None:
     """Forget the mesh indexes shared by grids (all planners of a process
     share them). For measuring a rank's planning as a fresh process would."""
@@ -363,9 +370,7 @@ class GridInfo:
         self.grid = grid
         mesh = grid.mesh
         self.coords, self.ranks, self.coord_of = _mesh_index(mesh)
-        cut_axes = {a for axes in grid.shard for a in axes}
-        self.cut_axes = tuple(sorted(cut_axes))
-        self.rep_axes = tuple(a for a in range(len(mesh.shape)) if a not in cut_axes)
+        self.cut_axes, self.rep_axes = _axes(grid.shard, len(mesh.shape))
 
     @property
     def rank_set(self) -> frozenset[int]:
