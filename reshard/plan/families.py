@@ -38,6 +38,12 @@ class Side:
     slots: tuple[Slot, ...]
 
 
+Member = tuple[str, int, str, list[tuple[int, int]], tuple[Slot, ...], list[tuple[int, int]], tuple[Slot, ...]]
+"""A family's tensor: (name, ordinal, destination dtype, then per side (source,
+destination) its (grid id, position) list and explicit slots, aligned with the
+family's grids and slots). One tuple per tensor: this is built for every tensor."""
+
+
 @dataclass(slots=True)
 class Family:
     """Tensors of one shape and dtype, held and needed alike."""
@@ -54,16 +60,19 @@ class Family:
     dst_slots: tuple[Slot, ...]
     src_side: int
     dst_side: int
-    names: list[str] = field(default_factory=list)
-    ordinals: list[int] = field(default_factory=list)
-    dst_dtypes: list[str] = field(default_factory=list)
-    # Storage per member: ((grid id, position) list, explicit slots), aligned with the geometry.
-    src_store: list[tuple[list[tuple[int, int]], tuple[Slot, ...]]] = field(default_factory=list)
-    dst_store: list[tuple[list[tuple[int, int]], tuple[Slot, ...]]] = field(default_factory=list)
+    members: list[Member] = field(default_factory=list)
     refs: dict[tuple, tuple] = field(default_factory=dict)
     """Grid refs with their box, by (side, grid position, coord): equal for every member."""
     checked: bool = False
     """Every destination domain resolved and checked."""
+
+    @property
+    def names(self) -> list[str]:
+        return [m[0] for m in self.members]
+
+    @property
+    def ordinals(self) -> list[int]:
+        return [m[1] for m in self.members]
 
 
 def build_families(
@@ -89,7 +98,9 @@ def build_families(
         if smeta is None:
             missing.append(name)
             continue
-        if smeta is not meta and (smeta.shape != meta.shape or not cast_ok(smeta.dtype, meta.dtype)):
+        if smeta is not meta and (
+            smeta.shape != meta.shape or (smeta.dtype != meta.dtype and not cast_ok(smeta.dtype, meta.dtype))
+        ):
             why = "" if smeta.shape != meta.shape else f" ({smeta.dtype} cannot be cast to {meta.dtype} on arrival)"
             problems.append(
                 Problem(
@@ -108,46 +119,42 @@ def build_families(
         # describe() inlined for the common case (one grid a side, no
         # explicit pieces): this loop runs once per tensor.
         s_entries = s_grids_of(name, _NONE)
+        s_slots: tuple[Slot, ...] = ()
         if len(s_entries) == 1 and not s_slots_of(name):
             s_geo: object = s_geo_ids[s_entries[0][0]]
-            s_store: tuple = (s_entries, ())
         else:
-            s_geo, s_store = src.describe(name)
+            s_geo, (s_entries, s_slots) = src.describe(name)
         d_entries = d_grids_of(name, _NONE)
+        d_slots: tuple[Slot, ...] = ()
         if len(d_entries) == 1 and not d_slots_of(name):
             d_geo: object = d_geo_ids[d_entries[0][0]]
-            d_store: tuple = (d_entries, ())
         else:
-            d_geo, d_store = dst.describe(name)
+            d_geo, (d_entries, d_slots) = dst.describe(name)
         shape = smeta.shape
         key = (shape, smeta.dtype, s_geo, d_geo)
         fam = families.get(key)
         if fam is None:
-            s_grids = tuple(g for g, _ in s_store[0])
-            d_grids = tuple(g for g, _ in d_store[0])
+            s_grids = tuple(g for g, _ in s_entries)
+            d_grids = tuple(g for g, _ in d_entries)
             sid = src_ids.setdefault((shape, s_geo), len(src_ids))
             if sid == len(src_sides):
-                src_sides.append(Side(shape, s_grids, s_store[1]))
+                src_sides.append(Side(shape, s_grids, s_slots))
             did = dst_ids.setdefault((shape, d_geo), len(dst_ids))
             if did == len(dst_sides):
-                dst_sides.append(Side(shape, d_grids, d_store[1]))
+                dst_sides.append(Side(shape, d_grids, d_slots))
             fam = families[key] = Family(
                 index=len(families),
                 shape=shape,
                 dtype=smeta.dtype,
                 itemsize=dtype_size(smeta.dtype),
                 src_grids=s_grids,
-                src_slots=s_store[1],
+                src_slots=s_slots,
                 dst_grids=d_grids,
-                dst_slots=d_store[1],
+                dst_slots=d_slots,
                 src_side=sid,
                 dst_side=did,
             )
-        fam.names.append(name)
-        fam.ordinals.append(ordinal)
-        fam.dst_dtypes.append(meta.dtype)
-        fam.src_store.append(s_store)
-        fam.dst_store.append(d_store)
+        fam.members.append((name, ordinal, meta.dtype, s_entries, s_slots, d_entries, d_slots))
     if missing:  # in natural order, as ``order`` is
         problems.append(
             Problem(

@@ -187,10 +187,19 @@ class LayoutSet:
                 self._declare(meta, first)
             self._add_grid(None, tensors, grid, publisher=None)
             return
-        # Declare and index each tensor in one pass (this runs once per tensor
-        # and side for every rank's plan).
         gid, info = self._new_grid(None, grid, None)  # a direct grid is never looked up again
         metas, declared_by, tensor_grids = self.metas, self.declared_by, self.tensor_grids
+        members = list(tensors[rng.start : rng.stop : rng.step])
+        names = [m.name for m in members]
+        if metas.keys().isdisjoint(names) and len(set(names)) == len(names):
+            # Names new to this side (each tensor in one grid, as rules and
+            # engines publish them): declare and index them in bulk. This runs
+            # once per tensor and side for every rank's plan.
+            metas.update(zip(names, members))
+            declared_by.update(dict.fromkeys(names, first))
+            tensor_grids.update(zip(names, ([(gid, pos)] for pos in range(len(names)))))
+            self._grid_indexed(gid, info, names, members)
+            return
         names = []
         for pos, ti in enumerate(rng):
             meta = tensors[ti]

@@ -430,7 +430,14 @@ class GridInfo:
         storage = self._storage
         if storage is None:
             return Slot(rank, box, name, box.sizes, zeros(len(box.sizes)), (), dtype)
-        return Slot(rank, box, storage[0], storage[1], _offset(storage, position), storage[2], storage[3] or dtype)
+        local, shape, dims, ldtype, base, step, lead = storage
+        if not step or not position:
+            offset = base
+        elif lead:  # expert stacks: only the leading dim moves
+            offset = (base[0] + position * step[0], *base[1:])
+        else:
+            offset = tuple(b + position * s for b, s in zip(base, step, strict=True))
+        return Slot(rank, box, local, shape, offset, dims, ldtype or dtype)
 
 
 def _offset(storage: tuple, position: int) -> tuple[int, ...]:

@@ -47,7 +47,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from functools import cached_property
 from operator import attrgetter
 
@@ -165,8 +165,8 @@ class Planner:
             if s is None:
                 s = src_top[fam.src_side] = geo.most_per_rank(True, fam.src_side)
             most = d + s
-            for o in fam.ordinals:
-                shares[o] = most
+            for member in fam.members:
+                shares[member[1]] = most
         return shares
 
     # -- checks -----------------------------------------------------------
@@ -233,14 +233,16 @@ class Planner:
             got = fam.refs[key] = ("g", gi, coord, grid_box(info.grid, fam.shape, coord))
         return got
 
-    def _row(self, fam: Family, decisions: list[Decision]) -> list[tuple]:
-        """A rank's decisions with refs resolved: (kind, src rank, reads a
-        destination slot, src ref, dst rank, dst ref)."""
+    def _row(self, fam: Family, rank: int, decisions: list[Decision]) -> list[tuple]:
+        """``rank``'s decisions with refs resolved: (kind, src rank, reads a
+        destination slot, src ref, dst rank, dst ref, where it goes (``None``:
+        a local copy, ``True``: a send, ``False``: a receive), the peer)."""
         out = []
         for kind, (sr, sref), (dr, dref) in decisions:
             fwd = kind is _FWD
             s = self._resolve_ref(fam, "dst" if fwd else "src", sref)
-            out.append((kind, sr, fwd, s, dr, self._resolve_ref(fam, "dst", dref)))
+            where = None if kind is _COPY else sr == rank
+            out.append((kind, sr, fwd, s, dr, self._resolve_ref(fam, "dst", dref), where, dr if where else sr))
         return out
 
     def _emit(self, fam: Family, rank: int, tables: list, rounds: dict[int, Round]) -> None:
@@ -248,33 +250,28 @@ class Planner:
         # Resolve refs once per family and domain, not once per member.
         prepared: list[tuple] = []
         for part, period, per, reg, base in tables:
-            rows = None if per is None else [self._row(fam, decisions) for decisions in per]
+            rows = None if per is None else [self._row(fam, rank, decisions) for decisions in per]
             prepared.append((part, part.numel, period, rows, reg, base))
         src_grids, dst_grids = self.sources.grids, self.dests.grids
         table = self.rounds
         first_round, num_blocks, split = table.first_round, table.num_blocks, table.split
         itemsize = fam.itemsize
         src_dtype = fam.dtype
-        names, src_stores, dst_stores, dst_dtypes = fam.names, fam.src_store, fam.dst_store, fam.dst_dtypes
         # This loop runs once per transfer of the plan (tens of thousands):
         # slots are built inline, and a slot is reused while consecutive
         # decisions name the same place (a sender's box sent to many peers).
         # Each member's first decision sets both (the keys start at None).
         s_slot: Slot = None  # type: ignore[assignment]
         d_slot: Slot = None  # type: ignore[assignment]
-        for m, ordinal in enumerate(fam.ordinals):
-            name = names[m]
-            s_entries, s_slots = src_stores[m]
-            d_entries, d_slots = dst_stores[m]
-            dst_dtype = dst_dtypes[m]
+        for name, ordinal, dst_dtype, s_entries, s_slots, d_entries, d_slots in fam.members:
             single = first_round[ordinal] if num_blocks[ordinal] == 1 else None
             s_key = d_key = None
             for part, numel, period, rows, reg, base in prepared:
                 if rows is not None:
                     row = rows[ordinal % period]
                 else:
-                    row = self._row(fam, decide_for(reg, ordinal + base, rank))
-                for kind, sr, fwd, sref, dr, dref in row:
+                    row = self._row(fam, rank, decide_for(reg, ordinal + base, rank))
+                for kind, sr, fwd, sref, dr, dref, where, peer in row:
                     if sref is not s_key:
                         s_key = sref
                         if sref[0] == "s":
@@ -293,30 +290,24 @@ class Planner:
                             gid, pos = d_entries[dref[1]]
                             d_slot = dst_grids[gid].slot_at(dr, dref[3], pos, name, dst_dtype)
                     wire_size = dtype_size(s_slot.dtype) if fwd else itemsize
-                    parts: tuple[tuple[int, Box, int], ...]
                     if single is not None:
-                        parts = ((single + fwd, part, numel),)
+                        parts: Iterable[tuple[int, Box, int]] = ((single + fwd, part, numel),)
                     else:
-                        parts = tuple((rnd + fwd, sub, sub.numel) for rnd, sub in split(ordinal, part))
+                        parts = [(rnd + fwd, sub, sub.numel) for rnd, sub in split(ordinal, part)]
                     for rnd, sub, n in parts:
                         t = Transfer(name, sub, s_slot, d_slot, kind, rnd, n * wire_size, ordinal, s_slot.dtype)
                         rp = rounds.get(rnd)
                         if rp is None:
                             rp = rounds[rnd] = Round(rnd)
-                        if kind is _COPY:
+                        if where is None:
                             rp.copies.append(t)
-                        elif sr == rank:
-                            got = rp.sends.get(dr)
-                            if got is None:
-                                rp.sends[dr] = [t]
-                            else:
-                                got.append(t)
+                            continue
+                        by_peer = rp.sends if where else rp.recvs
+                        got = by_peer.get(peer)
+                        if got is None:
+                            by_peer[peer] = [t]
                         else:
-                            got = rp.recvs.get(sr)
-                            if got is None:
-                                rp.recvs[sr] = [t]
-                            else:
-                                got.append(t)
+                            got.append(t)
 
     def _plan_for(self, rank: int) -> RankPlan:
         self.check(rank)
@@ -329,7 +320,7 @@ class Planner:
                 continue
             holders = geo.holders(fam)[0]
             hbits = holders.bits_of(rank) if is_src else 0
-            n_members = len(fam.ordinals)
+            n_members = len(fam.members)
             tables: list[tuple] = []
             # A rank that holds part of the family may send it to any domain;
             # one that only needs it, or holds nothing of it, plans its own.
@@ -389,7 +380,7 @@ class Planner:
         # every cell of every family in every domain (millions at 2,048 ranks).
         for fam in self._families:
             itemsize = fam.itemsize
-            n_members = len(fam.ordinals)
+            n_members = len(fam.members)
             hists: dict[int, list[tuple[int, int]]] = {}
             for d in geo.domains(fam):
                 got = geo.resolve(fam, d)
@@ -431,7 +422,7 @@ class Planner:
                     period = math.lcm(n_src, n_pull)
                     hist = hists.get(period)
                     if hist is None:
-                        hist = hists[period] = sorted(Counter(o % period for o in fam.ordinals).items())
+                        hist = hists[period] = sorted(Counter(m[1] % period for m in fam.members).items())
                     for pi, part in enumerate(parts):
                         nbytes = part.numel * itemsize
                         for residue, count in hist:
@@ -461,7 +452,7 @@ class Planner:
         out: Counter = Counter()
         with gc_paused():
             for fam in self._families:
-                per = fam.itemsize * len(fam.names)
+                per = fam.itemsize * len(fam.members)
                 for d in self._geo.domains(fam):
                     resolved = self._geo.resolve(fam, d)
                     if resolved is None:
@@ -493,5 +484,5 @@ class Planner:
                 for c in info.coord_of.get(rank, ()):
                     per += grid_box(info.grid, fam.shape, c).numel
             per += sum(s.box.numel for s in fam.dst_slots if s.rank == rank)
-            total += per * fam.itemsize * len(fam.names)
+            total += per * fam.itemsize * len(fam.members)
         return total
