@@ -51,6 +51,7 @@ __all__ = [
     "dtype_size",
     "grid_box",
     "layout_digest",
+    "storage_offset",
     "table_digest",
     "zeros",
 ]
@@ -399,23 +400,26 @@ class GridInfo:
                 yield box, ranks, coords
 
     def slot(self, meta: TensorMeta, position: int, rank: int, coord: Sequence[int], box: Box | None = None) -> Slot:
-        g = self.grid
         if box is None:
-            box = grid_box(g, meta.shape, coord)
-        if g.local is None:
+            box = grid_box(self.grid, meta.shape, coord)
+        st = self.storage
+        if st is None:
             return Slot(rank, box, meta.name, box.sizes, zeros(len(meta.shape)), (), meta.dtype)
-        return Slot(rank, box, g.local.name, g.local.shape, self.offset(position), g.dims, g.local.dtype or meta.dtype)
+        return Slot(rank, box, st[0], st[1], storage_offset(st, position), st[2], st[3] or meta.dtype)
 
     def offset(self, position: int) -> tuple[int, ...]:
         """Local offset of the chunk of the ``position``-th tensor (shared locals only)."""
-        storage = self._storage
+        storage = self.storage
         if storage is None:
             raise ValueError("a grid without a shared local tensor has no local offsets")
-        return _offset(storage, position)
+        return storage_offset(storage, position)
 
     @cached_property
-    def _storage(self) -> tuple | None:
-        """(local name, shape, dims, dtype, base offset, step, only the leading dim steps), or ``None``."""
+    def storage(self) -> tuple | None:
+        """Where the grid's tensors are stored, as plain values to build slots
+        from fast: ``(local name, local shape, dims, local dtype, base offset,
+        step, only the leading dim steps)``; ``None`` when each tensor's chunk
+        is its own local tensor (see :meth:`slot`)."""
         g = self.grid
         local = g.local
         if local is None:
@@ -424,23 +428,10 @@ class GridInfo:
         step = g.step
         return (local.name, local.shape, g.dims, local.dtype, g.offset or zeros(nd), step, step[1:] == zeros(nd - 1))
 
-    def slot_at(self, rank: int, box: Box, position: int, name: str, dtype: str) -> Slot:
-        """The slot of ``rank``'s ``box`` of the ``position``-th tensor (named
-        ``name``, of ``dtype``): :meth:`slot` for the planner's hot path."""
-        storage = self._storage
-        if storage is None:
-            return Slot(rank, box, name, box.sizes, zeros(len(box.sizes)), (), dtype)
-        local, shape, dims, ldtype, base, step, lead = storage
-        if not step or not position:
-            offset = base
-        elif lead:  # expert stacks: only the leading dim moves
-            offset = (base[0] + position * step[0], *base[1:])
-        else:
-            offset = tuple(b + position * s for b, s in zip(base, step, strict=True))
-        return Slot(rank, box, local, shape, offset, dims, ldtype or dtype)
 
-
-def _offset(storage: tuple, position: int) -> tuple[int, ...]:
+def storage_offset(storage: tuple, position: int) -> tuple[int, ...]:
+    """Where the ``position``-th tensor of a grid starts in its shared local
+    tensor, from :attr:`GridInfo.storage`."""
     base, step = storage[4], storage[5]
     if not step or not position:
         return base

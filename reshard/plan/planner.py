@@ -56,7 +56,7 @@ from reshard.plan.box import Box
 from reshard.plan.families import Family, Geometry, build_families
 from reshard.plan.index import LayoutSet, Ref, gc_paused, natural_order
 from reshard.plan.items import RankPlan, Round, Transfer, TransferKind
-from reshard.plan.layout import Slot, TensorMeta, dtype_size, grid_box
+from reshard.plan.layout import Slot, TensorMeta, dtype_size, grid_box, storage_offset, zeros
 from reshard.plan.regions import Decision, Endpoint, bits, decide_for, problems, region
 from reshard.plan.rounds import DEFAULT_ROUND_BYTES, RoundTable
 from reshard.plan.traffic import Traffic
@@ -219,7 +219,8 @@ class Planner:
             return self._plan_for(rank)
 
     def _resolve_ref(self, fam: Family, side: str, ref: Ref) -> tuple:
-        """A ref with its grid box looked up once per family: ("s", i) or ("g", gi, coord, box).
+        """A ref with its grid box looked up once per family: ("s", i) or
+        ("g", gi, coord, box, zero offsets).
         The same object for the same place, so slots can be cached by its id."""
         if ref[0] == "s":
             return ref
@@ -230,7 +231,8 @@ class Planner:
             info = (self.sources if side == "src" else self.dests).grids[
                 (fam.src_grids if side == "src" else fam.dst_grids)[gi]
             ]
-            got = fam.refs[key] = ("g", gi, coord, grid_box(info.grid, fam.shape, coord))
+            box = grid_box(info.grid, fam.shape, coord)
+            got = fam.refs[key] = ("g", gi, coord, box, zeros(len(box.sizes)))
         return got
 
     def _row(self, fam: Family, rank: int, decisions: list[Decision]) -> list[tuple]:
@@ -276,19 +278,28 @@ class Planner:
                         s_key = sref
                         if sref[0] == "s":
                             s_slot = (d_slots if fwd else s_slots)[sref[1]]
-                        elif fwd:
-                            gid, pos = d_entries[sref[1]]
-                            s_slot = dst_grids[gid].slot_at(sr, sref[3], pos, name, dst_dtype)
                         else:
-                            gid, pos = s_entries[sref[1]]
-                            s_slot = src_grids[gid].slot_at(sr, sref[3], pos, name, src_dtype)
+                            # GridInfo.slot, inlined: twice per transfer.
+                            gid, pos = (d_entries if fwd else s_entries)[sref[1]]
+                            st = (dst_grids if fwd else src_grids)[gid].storage
+                            box = sref[3]
+                            dtype = dst_dtype if fwd else src_dtype
+                            if st is None:
+                                s_slot = Slot(sr, box, name, box.sizes, sref[4], (), dtype)
+                            else:
+                                s_slot = Slot(sr, box, st[0], st[1], storage_offset(st, pos), st[2], st[3] or dtype)
                     if dref is not d_key:
                         d_key = dref
                         if dref[0] == "s":
                             d_slot = d_slots[dref[1]]
                         else:
                             gid, pos = d_entries[dref[1]]
-                            d_slot = dst_grids[gid].slot_at(dr, dref[3], pos, name, dst_dtype)
+                            st = dst_grids[gid].storage
+                            box = dref[3]
+                            if st is None:
+                                d_slot = Slot(dr, box, name, box.sizes, dref[4], (), dst_dtype)
+                            else:
+                                d_slot = Slot(dr, box, st[0], st[1], storage_offset(st, pos), st[2], st[3] or dst_dtype)
                     wire_size = dtype_size(s_slot.dtype) if fwd else itemsize
                     if single is not None:
                         parts: Iterable[tuple[int, Box, int]] = ((single + fwd, part, numel),)
