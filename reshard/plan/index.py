@@ -24,7 +24,6 @@ from reshard.plan.layout import Grid, GridInfo, Layout, Slot, TensorMeta, table_
 __all__ = ["LayoutSet", "gc_paused", "natural_key", "natural_order"]
 
 _DIGITS = re.compile(r"(\d+)")
-_RUNS = re.compile(r"\d+")
 _PAD = 20
 
 
@@ -36,31 +35,27 @@ def natural_key(name: str) -> tuple:
 def natural_order(metas: list[TensorMeta]) -> list[TensorMeta]:
     """``metas`` sorted by :func:`natural_key` of their names (stably).
 
-    The same order, four times faster on DeepSeek-V3's 45k names (this sort
-    was a fifth of a rank's plan): each name becomes one string in which
-    every run of digits is a NUL and the run zero-padded to a fixed width, so
-    plain string comparison is natural order (a NUL sorts below any other
-    character, as a shorter part does in the tuple key), and one regular
-    expression pass over all names builds every key. Names for which that
-    does not hold (not ASCII, with a NUL or newline, or a run of digits
-    wider than the pad) take :func:`natural_key`.
+    The same order, about twice as fast on DeepSeek-V3's 45k names (the
+    tuple keys took a fifth of a rank's plan): each name becomes one string
+    in which every run of digits is a NUL and the run zero-padded to a fixed
+    width, so plain string comparison is natural order (a NUL sorts below
+    any other character, as a shorter part does in the tuple key). One
+    regular expression split of all names joined finds every run; each
+    distinct run is padded once. Names for which that does not hold (not
+    ASCII, with a NUL or newline, or a run of digits wider than the pad)
+    take :func:`natural_key`.
     """
     names = [m.name for m in metas]
     text = "\n".join(names)
     if not text.isascii() or "\x00" in text or text.count("\n") != len(names) - 1:
         return sorted(metas, key=lambda m: natural_key(m.name))
-    memo: dict[str, str] = {}
-
-    def pad(match: re.Match) -> str:
-        run = match.group()
-        got = memo.get(run)
-        if got is None:
-            got = memo[run] = "\x00" + run.zfill(_PAD)
-        return got
-
-    keys = _RUNS.sub(pad, text).split("\n")
-    if any(len(run) > _PAD for run in memo):
+    parts = _DIGITS.split(text)  # text, digits, text, digits, ..., text
+    runs = parts[1::2]
+    padded = {run: "\x00" + run.zfill(_PAD) for run in set(runs)}
+    if any(len(run) > _PAD for run in padded):
         return sorted(metas, key=lambda m: natural_key(m.name))
+    parts[1::2] = map(padded.__getitem__, runs)
+    keys = "".join(parts).split("\n")
     order = sorted(range(len(metas)), key=keys.__getitem__)
     return [metas[i] for i in order]
 
