@@ -140,7 +140,7 @@ class Planner:
     @property
     def rounds(self) -> RoundTable:
         """The round table, built on first use: only once the inputs passed
-        their checks, since its shares walk every grid's ranks."""
+        their checks, since its shares read every family's geometry."""
         if self._rounds is None:
             with gc_paused():
                 self._rounds = RoundTable(self.order, self.round_bytes, self._shares())
@@ -153,7 +153,7 @@ class Planner:
 
     def _shares(self) -> list[int]:
         """Per tensor (by ordinal): max elements one rank receives + max one rank sends from."""
-        shares = [math.prod(m.shape) for m in self.order]
+        shares = [-1] * len(self.order)
         dst_top: dict[int, int] = {}
         src_top: dict[int, int] = {}
         geo = self._geo
@@ -167,6 +167,8 @@ class Planner:
             most = d + s
             for member in fam.members:
                 shares[member[1]] = most
+        if -1 in shares:  # tensors in no family (refused: no source, or a mismatch)
+            shares = [math.prod(m.shape) if x < 0 else x for x, m in zip(shares, self.order, strict=True)]
         return shares
 
     # -- checks -----------------------------------------------------------
@@ -220,8 +222,8 @@ class Planner:
 
     def _resolve_ref(self, fam: Family, side: str, ref: Ref) -> tuple:
         """A ref with its grid box looked up once per family: ("s", i) or
-        ("g", gi, coord, box, zero offsets).
-        The same object for the same place, so slots can be cached by its id."""
+        ("g", gi, coord, box, zero offsets). The same object for the same
+        place, so a slot built for it is reused while decisions name it."""
         if ref[0] == "s":
             return ref
         _, gi, coord = ref
