@@ -6,7 +6,7 @@ per pair (boxes one domain's ranks need, boxes the sources hold) and shared
 by every family and domain laid out alike. DeepSeek-V3 on 2,048 ranks has
 2,244 families and 128 destination domains; the expert families of other EP
 ranks and the domains of other engine replicas differ only in their ranks,
-so a handful of cuts serve all of them, and a rank's work grows with the
+so 39 cuts serve all of them, and a rank's work grows with the
 families and domains it touches, not with how many ranks each spans.
 :func:`region` then puts ranks on one cell: who needs it, who holds it,
 inside or outside the domain.
