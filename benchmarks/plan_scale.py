@@ -9,7 +9,10 @@ Python down); and the size of what each rank publishes on the store
 (msgspec): the tensor table, shared by all ranks of a side and stored once,
 and the rank's own layout (its grids), which refers to that table.
 
-    python benchmarks/plan_scale.py [--json] [--only SUBSTRING]
+    python benchmarks/plan_scale.py [--json] [--only SUBSTRING] [--repeat N]
+
+``--repeat N`` plans each sampled rank N times and reports its fastest run
+(on a machine shared with other work, the run least disturbed).
 
 A model that is not a preset of the code under test (an older checkout)
 is read from ``reshard/models/configs`` next to this script.
@@ -91,7 +94,7 @@ def _peak_bytes(t_side, e_side, domain_of, rank: int) -> int:
         tracemalloc.stop()
 
 
-def run_case(model: str, trainer: str, engine: str, cluster: str) -> dict:
+def run_case(model: str, trainer: str, engine: str, cluster: str, repeat: int = 1) -> dict:
     spec = _model(model)
     tspec, espec = TrainerSpec.parse(trainer), EngineSpec.parse(engine)
     t_side = trainer_layouts(spec.tensors, spec.config, tspec)
@@ -108,8 +111,11 @@ def run_case(model: str, trainer: str, engine: str, cluster: str) -> dict:
     ]
     rows = []
     for r in ranks:
-        _fresh()
-        index_s, planner_s, plan_s, n = _plan_one(t_side, e_side, domain_of, r)
+        runs = []
+        for _ in range(repeat):
+            _fresh()
+            runs.append(_plan_one(t_side, e_side, domain_of, r))
+        index_s, planner_s, plan_s, n = min(runs, key=lambda x: x[0] + x[1] + x[2])
         peak = _peak_bytes(t_side, e_side, domain_of, r)
         side = t_side if r < tspec.world else e_side
         lay = side.layout_of(r)
@@ -130,6 +136,7 @@ def run_case(model: str, trainer: str, engine: str, cluster: str) -> dict:
         )
     return {
         "case": f"{model} {trainer} -> {engine} on {cluster}",
+        "repeat": repeat,
         "ranks_total": tspec.world + espec.world,
         "tensors": len(spec.tensors),
         "trainer_table_bytes": len(msgspec.msgpack.encode(t_side.table)),
@@ -145,14 +152,16 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--only", default="", help="run the cases whose description contains this")
+    ap.add_argument("--repeat", type=int, default=1, help="plan each rank this many times; report its fastest run")
     args = ap.parse_args()
     cases = [c for c in CASES if args.only in " ".join(c)]
     for case in cases:
-        res = run_case(*case)
+        res = run_case(*case, repeat=args.repeat)
         if args.json:
             print(json.dumps({"machine": platform.processor() or platform.machine(), **res}))
             continue
-        print(f"{res['case']}: {res['ranks_total']} ranks, {res['tensors']} tensors")
+        best = f", each rank's fastest of {res['repeat']} runs" if res["repeat"] > 1 else ""
+        print(f"{res['case']}: {res['ranks_total']} ranks, {res['tensors']} tensors{best}")
         print(
             f"  tables (stored once per side): trainer {res['trainer_table_bytes'] / 1e6:.2f} MB, "
             f"engine {res['engine_table_bytes'] / 1e6:.2f} MB"
