@@ -3,11 +3,13 @@
 For each case, for a sample of trainer and engine ranks: the cost of
 planning one rank's refit (index the layouts, build the planner, compute
 the rank's plan) as that rank's own process would, with the mesh indexes
-that planners of one process share cleared first; the peak memory that
-planning allocates (tracemalloc, in a second run, since tracing slows
-Python down); and the size of what each rank publishes on the store
-(msgspec): the tensor table, shared by all ranks of a side and stored once,
-and the rank's own layout (its grids), which refers to that table.
+that planners of one process share cleared first, in wall and CPU seconds
+(other work on the machine inflates the wall clock, much less the CPU
+time); the peak memory that planning allocates (tracemalloc, in a second
+run, since tracing slows Python down); and the size of what each rank
+publishes on the store (msgspec): the tensor table, shared by all ranks of
+a side and stored once, and the rank's own layout (its grids), which refers
+to that table.
 
     python benchmarks/plan_scale.py [--json] [--only SUBSTRING] [--repeat N]
 
@@ -69,8 +71,12 @@ def _fresh() -> None:
     gc.collect()
 
 
-def _plan_one(t_side, e_side, domain_of, rank: int) -> tuple[float, float, float, int]:
+def _plan_one(t_side, e_side, domain_of, rank: int) -> tuple[float, float, float, float, int]:
+    """Seconds to index, build the planner and plan, CPU seconds of all
+    three (what other processes on the machine take from the wall clock
+    but not from this), and the plan's transfers."""
     with gc_paused():
+        c0 = time.process_time()
         t0 = time.perf_counter()
         src = t_side.layout_set("source", check_ranks=(rank,))
         dst = e_side.layout_set("destination", check_ranks=(rank,))
@@ -79,9 +85,10 @@ def _plan_one(t_side, e_side, domain_of, rank: int) -> tuple[float, float, float
         t2 = time.perf_counter()
         plan = planner.plan_for(rank)
         t3 = time.perf_counter()
+        cpu = time.process_time() - c0
         n = len(plan.transfers())
         del plan, planner, src, dst
-    return t1 - t0, t2 - t1, t3 - t2, n
+    return t1 - t0, t2 - t1, t3 - t2, cpu, n
 
 
 def _peak_bytes(t_side, e_side, domain_of, rank: int) -> int:
@@ -115,7 +122,7 @@ def run_case(model: str, trainer: str, engine: str, cluster: str, repeat: int = 
         for _ in range(repeat):
             _fresh()
             runs.append(_plan_one(t_side, e_side, domain_of, r))
-        index_s, planner_s, plan_s, n = min(runs, key=lambda x: x[0] + x[1] + x[2])
+        index_s, planner_s, plan_s, cpu_s, n = min(runs, key=lambda x: x[0] + x[1] + x[2])
         peak = _peak_bytes(t_side, e_side, domain_of, r)
         side = t_side if r < tspec.world else e_side
         lay = side.layout_of(r)
@@ -128,6 +135,7 @@ def run_case(model: str, trainer: str, engine: str, cluster: str, repeat: int = 
                 "planner_s": round(planner_s, 4),
                 "plan_s": round(plan_s, 4),
                 "total_s": round(index_s + planner_s + plan_s, 4),
+                "cpu_s": round(cpu_s, 4),
                 "peak_mb": round(peak / 1e6, 1),
                 "transfers": n,
                 "grids": len(lay.grids),
@@ -143,6 +151,7 @@ def run_case(model: str, trainer: str, engine: str, cluster: str, repeat: int = 
         "engine_table_bytes": len(msgspec.msgpack.encode(e_side.table)),
         "ranks": rows,
         "max_plan_seconds": max(r["total_s"] for r in rows),
+        "max_plan_cpu_seconds": max(r["cpu_s"] for r in rows),
         "max_peak_mb": max(r["peak_mb"] for r in rows),
         "max_layout_bytes": max(r["layout_bytes"] for r in rows),
     }
@@ -168,12 +177,12 @@ def main() -> None:
         )
         print(
             f"  {'rank':>6} {'role':>8} {'index s':>8} {'planner s':>10} {'plan s':>8} {'total s':>8} "
-            f"{'peak MB':>8} {'transfers':>10} {'grids':>6} {'layout KB':>10}"
+            f"{'cpu s':>6} {'peak MB':>8} {'transfers':>10} {'grids':>6} {'layout KB':>10}"
         )
         for r in res["ranks"]:
             print(
                 f"  {r['rank']:>6} {r['role']:>8} {r['index_s']:>8.3f} {r['planner_s']:>10.3f} {r['plan_s']:>8.3f} "
-                f"{r['total_s']:>8.3f} {r['peak_mb']:>8.1f} {r['transfers']:>10} {r['grids']:>6} "
+                f"{r['total_s']:>8.3f} {r['cpu_s']:>6.3f} {r['peak_mb']:>8.1f} {r['transfers']:>10} {r['grids']:>6} "
                 f"{r['layout_bytes'] / 1e3:>10.1f}"
             )
         print(flush=True)
