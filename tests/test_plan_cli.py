@@ -44,7 +44,7 @@ def test_json_contract_from_the_command_line():
     assert d["trainer_ranks"] == 8 and d["engine_ranks"] == 4
     assert set(d["reshard"]) >= KEYS and set(d["gather_broadcast"]) >= KEYS
     assert set(d["lower_bound"]) >= {"network_bytes", "seconds"}
-    assert d["speedup"] > 1 and d["plan_seconds"] > 0
+    assert d["speedup"] > 1 and d["plan_seconds"] > 0 and d["plan_cpu_seconds"] > 0
 
 
 def test_llama70b_fsdp64_to_tp8_dp8_on_dgx_h100(dgx):
