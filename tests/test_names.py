@@ -38,6 +38,7 @@ def test_mixtral_renaming_is_reversed():
         ("llama3-8b", 8_030_261_248, 291),
         ("llama3-70b", 70_553_706_496, 723),
         ("qwen3-235b", 235_093_634_560, 36_945),
+        ("kimi-k2", 1_026_408_232_448, 69_975),
     ],
 )
 def test_presets(preset, params, tensors):
@@ -53,6 +54,18 @@ def test_deepseek_v3_has_per_expert_names_and_the_router_bias():
     assert "model.layers.3.mlp.gate.e_score_correction_bias" in names
     assert "model.layers.2.mlp.gate_proj.weight" in names  # first_k_dense_replace = 3
     assert round(spec.params / 1e9) == 671
+
+
+def test_kimi_k2_is_deepseek_v3_shaped_at_a_trillion_parameters():
+    spec = load_model("kimi-k2")
+    names = {t.name for t in spec.tensors}
+    assert "model.layers.60.mlp.experts.383.down_proj.weight" in names
+    assert "model.layers.0.mlp.gate_proj.weight" in names  # first_k_dense_replace = 1
+    assert "model.layers.1.mlp.gate_proj.weight" not in names
+    shapes = {t.name: t.shape for t in spec.tensors}
+    assert shapes["model.layers.1.self_attn.q_b_proj.weight"] == (64 * 192, 1536)  # 64 heads, MLA
+    assert shapes["model.embed_tokens.weight"] == (163_840, 7168)
+    assert round(spec.params / 1e12, 2) == 1.03
 
 
 def test_tied_embeddings_appear_once():

@@ -47,6 +47,7 @@ def test_json_contract_from_the_command_line():
     assert d["speedup"] > 1
     # Planning was timed on sampled ranks (the time itself is the machine's, not asserted).
     assert d["plan_sample_ranks"] and isinstance(d["plan_seconds"], float)
+    assert isinstance(d["plan_cpu_seconds"], float)
 
 
 def test_llama70b_fsdp64_to_tp8_dp8_on_dgx_h100(dgx):

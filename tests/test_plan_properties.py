@@ -46,6 +46,25 @@ def test_plan_reproduces_every_destination_exactly_once(p, domains, round_bytes,
         assert traffic.recv_bytes(r) == recv[r]
 
 
+@SETTINGS
+@given(problems(), st.sampled_from([1, 64, 1 << 20]), st.sampled_from([1, 16, 1 << 30]))
+def test_a_rank_planning_alone_gets_the_plan_of_a_planner_that_resolved_everything(p, round_bytes, split_bytes):
+    """A rank resolves only the families and domains it takes part in, and
+    shares cuts between families laid out alike: what it plans must not
+    depend on what the planner resolved before (each rank has its own)."""
+    shared = _planner(p, domains=True, round_bytes=round_bytes, split_bytes=split_bytes)
+    shared.traffic()
+    for r in p.ranks:
+        alone = Planner(
+            LayoutSet.from_layouts("source", p.src, check_ranks=(r,)),
+            LayoutSet.from_layouts("destination", p.dst, check_ranks=(r,)),
+            domain_of=p.domain_of,
+            round_bytes=round_bytes,
+            split_bytes=split_bytes,
+        )
+        assert alone.plan_for(r) == shared.plan_for(r)
+
+
 def _needed_not_held(planner: Planner, domain_of: dict[int, int]) -> int:
     """Lower bound on network bytes: per domain, elements needed there and held by no rank there."""
     need: dict[tuple[int, str], list[Box]] = {}

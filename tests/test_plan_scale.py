@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from reshard.errors import PlanError
 from reshard.plan.box import Box
-from reshard.plan.index import LayoutSet
+from reshard.plan.index import LayoutSet, natural_key, natural_order
 from reshard.plan.layout import DTYPE_SIZES, Grid, Layout, LocalTensor, Mesh, Piece, TensorMeta
 from reshard.plan.planner import Planner
 from reshard.plan.rounds import SHARE_UNITS, RoundTable
@@ -80,6 +80,20 @@ def test_the_round_table_equals_the_block_by_block_oracle(specs, round_bytes, wi
             parts = table.split(i, box)
             assert [r for r, _ in parts] == rounds
             assert sum(b.sizes[0] for _, b in parts) == rows
+
+
+_NAME = st.text(alphabet="ab._\n\x000123456789\u0663\u00e9", max_size=12)
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.lists(_NAME, max_size=12), st.sampled_from([1, 19, 20, 21, 30]))
+@example(["a.10", "a.9", "a.009", "a.", "a.!", "a9", "a"], 1)
+def test_natural_order_is_the_order_of_natural_key(names, width):
+    """The one-pass order of many names equals sorting by the tuple key,
+    ties kept in input order, for names that take the fallback too."""
+    metas = [TensorMeta(n, (1,), "float32") for n in names]
+    metas += [TensorMeta("x" + "7" * width, (1,), "float32"), TensorMeta("x8", (1,), "float32")]
+    assert [m.name for m in natural_order(metas)] == [m.name for m in sorted(metas, key=lambda m: natural_key(m.name))]
 
 
 # -- work, counted ------------------------------------------------------------------

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from reshard.errors import PlanError
 from reshard.plan.box import Box, chunk_range, chunks_overlapping
 from reshard.plan.index import LayoutSet
 from reshard.plan.layout import Grid, Layout, LocalTensor, Mesh, Piece, TensorMeta
 from reshard.plan.planner import Planner
+from reshard.plan.regions import Endpoint, Region, decide, decide_for
 
 
 def _grid_layouts(meta: TensorMeta, ranks: list[int], shard_dim: int | None) -> list[Layout]:
@@ -169,6 +172,26 @@ def test_local_box_out_of_range():
     _expect("out-of-range", r"outside local 'w' of shape \[4\]", src, dst)
 
 
+def test_grid_storage_is_checked_for_the_ranks_asked_in_mesh_order():
+    """Rows 0:4 of a grid's first chunk do not fit a local of 3 rows; the
+    second chunk's 3 rows do. Every rank of the first chunk is named, in
+    mesh order, and a rank that checks only itself finds only its own."""
+    meta = TensorMeta("w", (7, 4), "float32")
+    mesh = Mesh(shape=(2, 2), ranks=(5, 3, 4, 6))
+    grid = Grid(tensors=(0, 1, 1), mesh=mesh, shard=((0,), ()), local=LocalTensor("w", (3, 4)), offset=(0, 0))
+
+    def bad(check_ranks):
+        s = LayoutSet("destination", check_ranks=check_ranks)
+        s.add_grid((meta,), grid)
+        s.finish()
+        return [p.ranks for p in s.problems if p.kind == "out-of-range"]
+
+    assert bad(None) == [(5,), (3,)]
+    assert bad((3,)) == [(3,)]
+    assert bad((6, 3, 5)) == [(5,), (3,)]
+    assert bad((4, 6)) == []
+
+
 def test_overlapping_destination_pieces():
     meta = TensorMeta("w", (8,), "float32")
     src = _grid_layouts(meta, [0], 0)
@@ -211,3 +234,33 @@ def test_grid_published_by_the_wrong_ranks():
     src = _grid_layouts(meta, [0], 0)
     dst = _grid_layouts(meta, [1, 2], 0)[:1]  # rank 2 never published its layout
     _expect("grid", r"lists ranks \[1, 2\] but was published by ranks \[1\]", src, dst)
+
+
+# -- a rank's decisions ------------------------------------------------------------
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(st.integers(0, 9), min_size=0, max_size=5, unique=True),
+    st.lists(st.integers(0, 9), min_size=0, max_size=5, unique=True),
+    st.booleans(),
+    st.lists(st.integers(0, 9), max_size=3, unique=True),
+    st.integers(0, 50),
+)
+def test_decide_for_is_decide_filtered_to_one_rank(pulling, holders, inside, copying, rot):
+    """A rank builds only its own decisions; they are exactly the whole
+    decision list's that involve it, in the same order."""
+    ends = {r: Endpoint(r, ("s", r)) for r in range(10)}
+    if not holders and pulling:
+        holders = [9]
+    reg = Region(
+        parts=[Box((0,), (4,))],
+        needers=sorted([ends[r] for r in pulling] + [ends[r] for r in copying]),
+        holders_in=[ends[r] for r in holders] if inside else [],
+        holders_out=[] if inside else [ends[r] for r in holders],
+        copies=[(Endpoint(r, ("s", 10 + r)), ends[r]) for r in copying],
+        pulling=[ends[r] for r in pulling],
+    )
+    for rank in range(10):
+        want = [x for x in decide(reg, rot) if rank in (x.src.rank, x.dst.rank)]
+        assert decide_for(reg, rot, rank) == want

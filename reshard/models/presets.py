@@ -24,6 +24,10 @@ PRESETS: dict[str, str] = {
     "qwen3-235b": "qwen3-235b-a22b.json",
     "qwen3-235b-a22b": "qwen3-235b-a22b.json",
     "deepseek-v3": "deepseek-v3.json",
+    # Kimi-K2 (moonshotai/Kimi-K2-Instruct): DeepSeek-V3's architecture at
+    # 384 experts and 64 heads. Its checkpoint says model_type "kimi_k2" and
+    # ships its own code; transformers builds the same model as deepseek_v3.
+    "kimi-k2": "kimi-k2.json",
 }
 
 

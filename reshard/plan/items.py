@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import StrEnum
 
+import msgspec
+
 from reshard.plan.box import Box
 from reshard.plan.layout import Slot
 
@@ -29,8 +31,7 @@ class TransferKind(StrEnum):
     """Within one rank (it holds the source and needs the destination)."""
 
 
-@dataclass(frozen=True, slots=True)
-class Transfer:
+class Transfer(msgspec.Struct, frozen=True, gc=False):
     """Move ``box`` of ``tensor`` from ``src`` (a slot on the sending rank)
     to ``dst`` (a slot on the receiving rank) in round ``round``.
 
@@ -41,6 +42,9 @@ class Transfer:
     ``dtype``: the element type on the wire, the source slot's (the
     canonical dtype for a pull, the leader's for a forward); ``nbytes``
     counts those. A destination slot of another dtype casts on arrival.
+
+    A Struct (like :class:`~reshard.plan.layout.Slot`): built ten times
+    faster than a dataclass, and a plan has tens of thousands.
     """
 
     tensor: str

@@ -28,7 +28,6 @@ import hashlib
 import itertools
 import math
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 from functools import cached_property, lru_cache
 
 import msgspec
@@ -48,9 +47,11 @@ __all__ = [
     "Slot",
     "TensorMeta",
     "cast_ok",
+    "clear_caches",
     "dtype_size",
     "grid_box",
     "layout_digest",
+    "storage_offset",
     "table_digest",
     "zeros",
 ]
@@ -253,11 +254,16 @@ def grid_box(grid: Grid, shape: Sequence[int], coord: Sequence[int]) -> Box:
     return Box(tuple(offs), tuple(sizes))
 
 
-@dataclass(frozen=True, slots=True)
-class Slot:
+class Slot(msgspec.Struct, frozen=True, gc=False):
     """One piece resolved to names: rank ``rank`` holds ``box`` of a tensor
     in local tensor ``local`` (shape ``local_shape``, element type ``dtype``)
-    at ``offset``."""
+    at ``offset``.
+
+    A Struct, not a dataclass: a plan holds two per transfer (tens of
+    thousands per rank), and a Struct is built ten times faster. ``gc=False``:
+    it holds only numbers, strings and boxes, so it can be in no cycle and the
+    cyclic collector need not track it.
+    """
 
     rank: int
     box: Box
@@ -316,6 +322,48 @@ def _mesh_index(mesh: Mesh) -> tuple[list[tuple[int, ...]], list[int], dict[int,
     return coords, ranks, coord_of
 
 
+@lru_cache(maxsize=4096)
+def _mesh_rank_set(mesh: Mesh) -> frozenset[int]:
+    return frozenset(_mesh_index(mesh)[1])
+
+
+Group = tuple[tuple[int, ...], tuple[int, ...], tuple[tuple[int, ...], ...]]
+"""Ranks of a mesh that agree on the cut axes (so hold one box): (a coord, ranks, coords)."""
+
+
+@lru_cache(maxsize=4096)
+def _mesh_groups(mesh: Mesh, cut_axes: tuple[int, ...]) -> tuple[Group, ...]:
+    """The mesh's ranks grouped by their coordinates on ``cut_axes``, sorted by
+    rank within a group. Shared by every grid on the mesh that cuts those axes
+    (an engine's hundreds of grids share a handful), so a grid's holders cost
+    one box per group, not one step per rank."""
+    coords, ranks, _ = _mesh_index(mesh)
+    groups: dict[tuple[int, ...], list[tuple[int, tuple[int, ...]]]] = {}
+    for r, c in zip(ranks, coords, strict=True):
+        groups.setdefault(tuple(c[a] for a in cut_axes), []).append((r, c))
+    out = []
+    for members in groups.values():
+        first = members[0][1]
+        members.sort()
+        out.append((first, tuple(r for r, _ in members), tuple(c for _, c in members)))
+    return tuple(out)
+
+
+@lru_cache(maxsize=1024)
+def _axes(shard: tuple[tuple[int, ...], ...], ndim: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(cut axes, replicated axes) of a mesh of ``ndim`` axes cut by ``shard``."""
+    cut = {a for axes in shard for a in axes}
+    return tuple(sorted(cut)), tuple(a for a in range(ndim) if a not in cut)
+
+
+def clear_caches() -> None:
+    """Forget the mesh indexes shared by grids (all planners of a process
+    share them). For measuring a rank's planning as a fresh process would."""
+    _mesh_index.cache_clear()
+    _mesh_rank_set.cache_clear()
+    _mesh_groups.cache_clear()
+
+
 class GridInfo:
     """Derived facts of one grid: coordinates by rank, holder boxes by shape."""
 
@@ -323,13 +371,16 @@ class GridInfo:
         self.grid = grid
         mesh = grid.mesh
         self.coords, self.ranks, self.coord_of = _mesh_index(mesh)
-        cut_axes = {a for axes in grid.shard for a in axes}
-        self.cut_axes = tuple(sorted(cut_axes))
-        self.rep_axes = tuple(a for a in range(len(mesh.shape)) if a not in cut_axes)
+        self.cut_axes, self.rep_axes = _axes(grid.shard, len(mesh.shape))
 
-    @cached_property
+    @property
     def rank_set(self) -> frozenset[int]:
-        return frozenset(self.ranks)
+        return _mesh_rank_set(self.grid.mesh)
+
+    @property
+    def distinct_ranks(self) -> bool:
+        """No rank appears at two coordinates (so each rank holds one box)."""
+        return len(self.coord_of) == len(self.ranks)
 
     @cached_property
     def geometry(self) -> tuple:
@@ -337,36 +388,53 @@ class GridInfo:
         g = self.grid
         return (g.mesh, g.shard, g.block)
 
+    def groups(self) -> tuple[Group, ...]:
+        """Ranks grouped by the box they hold (see :func:`_mesh_groups`)."""
+        return _mesh_groups(self.grid.mesh, self.cut_axes)
+
     def holders(self, shape: Sequence[int]) -> Iterator[tuple[Box, tuple[int, ...], tuple[tuple[int, ...], ...]]]:
         """Distinct boxes with the ranks (and coords) that hold each, non-empty only."""
-        groups: dict[tuple[int, ...], list[tuple[int, tuple[int, ...]]]] = {}
-        for r, c in zip(self.ranks, self.coords, strict=True):
-            key = tuple(c[a] for a in self.cut_axes)
-            groups.setdefault(key, []).append((r, c))
-        for members in groups.values():
-            box = grid_box(self.grid, shape, members[0][1])
-            if box.is_empty():
-                continue
-            members.sort()
-            yield box, tuple(r for r, _ in members), tuple(c for _, c in members)
+        for first, ranks, coords in _mesh_groups(self.grid.mesh, self.cut_axes):
+            box = grid_box(self.grid, shape, first)
+            if not box.is_empty():
+                yield box, ranks, coords
 
     def slot(self, meta: TensorMeta, position: int, rank: int, coord: Sequence[int], box: Box | None = None) -> Slot:
-        g = self.grid
         if box is None:
-            box = grid_box(g, meta.shape, coord)
-        if g.local is None:
+            box = grid_box(self.grid, meta.shape, coord)
+        st = self.storage
+        if st is None:
             return Slot(rank, box, meta.name, box.sizes, zeros(len(meta.shape)), (), meta.dtype)
-        return Slot(rank, box, g.local.name, g.local.shape, self.offset(position), g.dims, g.local.dtype or meta.dtype)
+        return Slot(rank, box, st[0], st[1], storage_offset(st, position), st[2], st[3] or meta.dtype)
 
     def offset(self, position: int) -> tuple[int, ...]:
         """Local offset of the chunk of the ``position``-th tensor (shared locals only)."""
+        storage = self.storage
+        if storage is None:
+            raise ValueError("a grid without a shared local tensor has no local offsets")
+        return storage_offset(storage, position)
+
+    @cached_property
+    def storage(self) -> tuple | None:
+        """Where the grid's tensors are stored, as plain values to build slots
+        from fast: ``(local name, local shape, dims, local dtype, base offset,
+        step, only the leading dim steps)``; ``None`` when each tensor's chunk
+        is its own local tensor (see :meth:`slot`)."""
         g = self.grid
-        assert g.local is not None
-        nd = len(g.local.shape)
-        base = g.offset or zeros(nd)
+        local = g.local
+        if local is None:
+            return None
+        nd = len(local.shape)
         step = g.step
-        if not step or not position:
-            return base
-        if step[1:] == zeros(nd - 1):  # expert stacks: only the leading dim moves
-            return (base[0] + position * step[0], *base[1:])
-        return tuple(b + position * s for b, s in zip(base, step, strict=True))
+        return (local.name, local.shape, g.dims, local.dtype, g.offset or zeros(nd), step, step[1:] == zeros(nd - 1))
+
+
+def storage_offset(storage: tuple, position: int) -> tuple[int, ...]:
+    """Where the ``position``-th tensor of a grid starts in its shared local
+    tensor, from :attr:`GridInfo.storage`."""
+    base, step = storage[4], storage[5]
+    if not step or not position:
+        return base
+    if storage[6]:  # expert stacks: only the leading dim moves
+        return (base[0] + position * step[0], *base[1:])
+    return tuple(b + position * s for b, s in zip(base, step, strict=True))

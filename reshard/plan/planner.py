@@ -21,7 +21,8 @@ How a plan is made
    copied locally when the needer holds it itself); otherwise one **leader**
    among the needers pulls it across the network once and **forwards** it to
    the other needers in the next round. Large regions are split so several
-   replicas and leaders share them.
+   replicas and leaders share them. The cut depends on boxes only, so it is
+   shared by families and domains laid out alike (:mod:`reshard.plan.regions`).
 3. **Decide.** Replica and leader choices rotate with the tensor's ordinal,
    the region, the part and the domain: deterministic everywhere and
    balanced over many tensors.
@@ -30,23 +31,33 @@ How a plan is made
    a transfer moves in the round of its block, a forward one round after
    its pull. Round numbers depend only on names, shapes and dtypes, so every
    pair of peers agrees on them.
+
+What one rank's plan costs
+==========================
+
+A rank resolves only the (family, domain) pairs it takes part in: a
+destination rank its own domain, a source rank every domain of the families
+it holds. Which ranks of a grid are in which domain is worked out once per
+mesh, which boxes sources hold once per source geometry, which boxes a
+domain needs once per destination geometry and domain; families keep no
+per-rank sets. Only the cells a rank needs or holds become regions.
 """
 
 from __future__ import annotations
 
-import itertools
 import math
-from bisect import bisect_left
-from collections import Counter, defaultdict
+from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
-from typing import NamedTuple
+from functools import cached_property
+from operator import attrgetter
 
 from reshard.errors import PlanError, Problem
-from reshard.plan.box import Box, chunk_range, merge_boxes
-from reshard.plan.index import LayoutSet, Ref, gc_paused, natural_key
+from reshard.plan.box import Box
+from reshard.plan.families import Family, Geometry, build_families
+from reshard.plan.index import LayoutSet, Ref, gc_paused, natural_order
 from reshard.plan.items import RankPlan, Round, Transfer, TransferKind
-from reshard.plan.layout import GridInfo, Slot, TensorMeta, cast_ok, dtype_size, grid_box, zeros
+from reshard.plan.layout import Slot, TensorMeta, dtype_size, grid_box, storage_offset, zeros
+from reshard.plan.regions import Decision, Endpoint, bits, decide_for, problems, region
 from reshard.plan.rounds import DEFAULT_ROUND_BYTES, RoundTable
 from reshard.plan.traffic import Traffic
 
@@ -55,76 +66,21 @@ __all__ = ["DEFAULT_SPLIT_BYTES", "Decision", "Endpoint", "Planner"]
 DEFAULT_SPLIT_BYTES = 16 << 20
 """Regions larger than this are split so several replicas and leaders share them."""
 
-
-class Endpoint(NamedTuple):
-    """One side of a decision: a rank and where it holds (or needs) the region."""
-
-    rank: int
-    ref: Ref
+_FWD = TransferKind.FWD
+_COPY = TransferKind.COPY
 
 
-class Decision(NamedTuple):
-    """Who moves one part of a region to whom, and how."""
-
-    kind: TransferKind
-    src: Endpoint
-    dst: Endpoint
+_BY_ORDINAL = attrgetter("ordinal")
 
 
-def _make_slot(store: tuple, grids: list[GridInfo], ref: tuple, rank: int, name: str, dtype: str) -> Slot:
-    """The slot behind ``ref``; ``dtype``: the tensor's dtype on that side."""
-    if ref[0] == "s":
-        return store[1][ref[1]]
-    _, gi, _coord, box = ref
-    gid, pos = store[0][gi]
-    info = grids[gid]
-    grid = info.grid
-    local = grid.local
-    if local is None:
-        return Slot(rank, box, name, box.sizes, zeros(len(box.sizes)), (), dtype)
-    return Slot(rank, box, local.name, local.shape, info.offset(pos), grid.dims, local.dtype or dtype)
-
-
-@dataclass(slots=True)
-class _Region:
-    parts: list[Box]
-    needers: list[Endpoint]
-    holders: list[Endpoint]
-    holders_in: list[Endpoint]
-    holders_out: list[Endpoint]
-    ranks: frozenset[int]
-    copies: list[tuple[Endpoint, Endpoint]] = field(default_factory=list)
-    """(holder, needer) pairs on one rank: local copies."""
-    pulling: list[Endpoint] = field(default_factory=list)
-    """Needers that hold nothing of the region themselves."""
-
-    @property
-    def period(self) -> int:
-        """Decisions repeat with the rotation modulo this."""
-        return math.lcm(max(1, len(self.holders_in) or len(self.holders_out)), max(1, len(self.pulling)))
-
-
-@dataclass(slots=True)
-class _Family:
-    index: int
-    shape: tuple[int, ...]
-    dtype: str
-    itemsize: int
-    # Geometry (shared by members): the first member's grids and slots.
-    src_grids: tuple[int, ...]
-    src_slots: tuple[Slot, ...]
-    dst_grids: tuple[int, ...]
-    dst_slots: tuple[Slot, ...]
-    names: list[str] = field(default_factory=list)
-    ordinals: list[int] = field(default_factory=list)
-    # Storage per member: ((grid id, position) list, explicit slots), aligned with the geometry.
-    src_store: list[tuple[list[tuple[int, int]], tuple[Slot, ...]]] = field(default_factory=list)
-    dst_store: list[tuple[list[tuple[int, int]], tuple[Slot, ...]]] = field(default_factory=list)
-    boxes: dict[tuple, Box] = field(default_factory=dict)
-    """Grid boxes by (side, grid position, coord): equal for every member."""
-    src_ranks: frozenset[int] = frozenset()
-    dst_ranks: frozenset[int] = frozenset()
-    dst_domains: tuple[int, ...] = ()
+def _sort(ts: list[Transfer]) -> None:
+    """Sort by :meth:`Transfer.sort_key`; by the ordinal alone (a key read
+    in C, not a method call per transfer) when no two share one."""
+    if len(ts) > 1:
+        if len(set(map(_BY_ORDINAL, ts))) == len(ts):
+            ts.sort(key=_BY_ORDINAL)
+        else:
+            ts.sort(key=Transfer.sort_key)
 
 
 class Planner:
@@ -154,6 +110,7 @@ class Planner:
             raise ValueError(f"round_bytes must be positive, got {round_bytes}")
         self.sources = sources
         self.dests = dests
+        self._domain: Callable[[int], int]
         if domain_of is None:
             self._domain = lambda r: r
         elif callable(domain_of):
@@ -163,22 +120,27 @@ class Planner:
             self._domain = lambda r: mapping.get(r, -1 - r)
         self.split_bytes = split_bytes
         self._problems: list[Problem] = list(sources.problems) + list(dests.problems)
-        self._regions: dict[tuple[int, int], list[_Region]] = {}
+        self._checked: set[tuple[int, int]] = set()
         self._region_problems: dict[tuple[int, int], list[Problem]] = {}
-        self._grid_domains: dict[int, dict[int, list[tuple[int, tuple[int, ...]]]]] = {}
         with gc_paused():
             # Destination tensors in checkpoint order; each takes the source's
             # dtype (the canonical one) once its families are built.
-            self.order: list[TensorMeta] = sorted(dests.metas.values(), key=lambda m: natural_key(m.name))
-            self.ordinal = {m.name: i for i, m in enumerate(self.order)}
-            self._families = self._build_families()
+            self.order: list[TensorMeta] = natural_order(list(dests.metas.values()))
+            self._families, src_sides, dst_sides, found = build_families(self.order, sources, dests)
+        self._problems.extend(found)
+        self._geo = Geometry(sources, dests, src_sides, dst_sides, self._domain)
         self.round_bytes = round_bytes
         self._rounds: RoundTable | None = None
+
+    @cached_property
+    def ordinal(self) -> dict[str, int]:
+        """Position of each destination tensor in :attr:`order`."""
+        return {m.name: i for i, m in enumerate(self.order)}
 
     @property
     def rounds(self) -> RoundTable:
         """The round table, built on first use: only once the inputs passed
-        their checks, since its shares walk every grid's ranks."""
+        their checks, since its shares read every family's geometry."""
         if self._rounds is None:
             with gc_paused():
                 self._rounds = RoundTable(self.order, self.round_bytes, self._shares())
@@ -189,321 +151,55 @@ class Planner:
     def domain(self, rank: int) -> int:
         return self._domain(rank)
 
-    def _build_families(self) -> list[_Family]:
-        src, dst = self.sources, self.dests
-        families: dict[tuple, _Family] = {}
-        missing: dict[str, list[str]] = {}
-        for meta in self.order:
-            name = meta.name
-            smeta = src.metas.get(name)
-            if smeta is None:
-                missing.setdefault(name, [])
-                continue
-            if smeta is not meta and (smeta.shape != meta.shape or not cast_ok(smeta.dtype, meta.dtype)):
-                why = "" if smeta.shape != meta.shape else f" ({smeta.dtype} cannot be cast to {meta.dtype} on arrival)"
-                self._problems.append(
-                    Problem(
-                        kind="mismatch",
-                        tensor=name,
-                        ranks=(src.declared_by[name], dst.declared_by[name]),
-                        message=(
-                            f"tensor {name!r}: source rank {src.declared_by[name]} has shape {list(smeta.shape)} "
-                            f"{smeta.dtype}, destination rank {dst.declared_by[name]} needs shape "
-                            f"{list(meta.shape)} {meta.dtype}{why}"
-                        ),
-                    )
-                )
-                continue
-            # The canonical dtype is the source's: that is what moves.
-            meta = self.order[self.ordinal[name]] = smeta
-            s_geo, s_store = src.describe(name)
-            d_geo, d_store = dst.describe(name)
-            key = (meta.shape, meta.dtype, s_geo, d_geo)
-            fam = families.get(key)
-            if fam is None:
-                fam = families[key] = _Family(
-                    index=len(families),
-                    shape=meta.shape,
-                    dtype=meta.dtype,
-                    itemsize=dtype_size(meta.dtype),
-                    src_grids=tuple(g for g, _ in s_store[0]),
-                    src_slots=s_store[1],
-                    dst_grids=tuple(g for g, _ in d_store[0]),
-                    dst_slots=d_store[1],
-                )
-            fam.names.append(name)
-            fam.ordinals.append(self.ordinal[name])
-            fam.src_store.append(s_store)
-            fam.dst_store.append(d_store)
-        if missing:
-            names = sorted(missing, key=natural_key)
-            self._problems.append(
-                Problem(
-                    kind="unknown-tensor",
-                    tensor=names[0],
-                    ranks=tuple(sorted({dst.declared_by[n] for n in names[:50]})),
-                    message=(
-                        f"{len(names)} tensor(s) needed by destination ranks are published by no source: "
-                        + ", ".join(repr(n) for n in names[:8])
-                        + (" ..." if len(names) > 8 else "")
-                        + f" (first needed by rank {dst.declared_by[names[0]]})"
-                    ),
-                )
-            )
-        out = list(families.values())
-        for fam in out:
-            sranks: set[int] = {s.rank for s in fam.src_slots}
-            for g in fam.src_grids:
-                sranks.update(src.grids[g].rank_set)
-            dranks: set[int] = {s.rank for s in fam.dst_slots}
-            for g in fam.dst_grids:
-                dranks.update(dst.grids[g].rank_set)
-            fam.src_ranks = frozenset(sranks)
-            fam.dst_ranks = frozenset(dranks)
-            fam.dst_domains = tuple(sorted({self._domain(r) for r in dranks}))
-        return out
-
     def _shares(self) -> list[int]:
         """Per tensor (by ordinal): max elements one rank receives + max one rank sends from."""
-        shares = [math.prod(m.shape) for m in self.order]
-        memo: dict[tuple, int] = {}
+        shares = [-1] * len(self.order)
+        dst_top: dict[int, int] = {}
+        src_top: dict[int, int] = {}
+        geo = self._geo
         for fam in self._families:
-            most = 0
-            for side, grids, slots in (
-                (self.dests, fam.dst_grids, fam.dst_slots),
-                (self.sources, fam.src_grids, fam.src_slots),
-            ):
-                key = (id(side), tuple(side.geometry_id(g) for g in grids), fam.shape) if not slots else None
-                if key is not None and key in memo:
-                    most += memo[key]
-                    continue
-                per_rank: Counter = Counter()
-                for g in grids:
-                    info = side.grids[g]
-                    for box, ranks, _ in info.holders(fam.shape):
-                        for r in ranks:
-                            per_rank[r] += box.numel
-                for sl in slots:
-                    per_rank[sl.rank] += sl.box.numel
-                top = max(per_rank.values(), default=0)
-                if key is not None:
-                    memo[key] = top
-                most += top
-            for o in fam.ordinals:
-                shares[o] = most
+            d = dst_top.get(fam.dst_side)
+            if d is None:
+                d = dst_top[fam.dst_side] = geo.most_per_rank(False, fam.dst_side)
+            s = src_top.get(fam.src_side)
+            if s is None:
+                s = src_top[fam.src_side] = geo.most_per_rank(True, fam.src_side)
+            most = d + s
+            for member in fam.members:
+                shares[member[1]] = most
+        if -1 in shares:  # tensors in no family (refused: no source, or a mismatch)
+            shares = [math.prod(m.shape) if x < 0 else x for x, m in zip(shares, self.order, strict=True)]
         return shares
 
-    def _grid_by_domain(self, gid: int) -> dict[int, list[tuple[int, tuple[int, ...]]]]:
-        got = self._grid_domains.get(gid)
+    # -- checks -----------------------------------------------------------
+
+    def _check(self, fam: Family, domain: int) -> None:
+        """Resolve and check the family for ``domain``, recording problems."""
+        got = self._geo.resolve(fam, domain)
         if got is None:
-            info = self.dests.grids[gid]
-            got = defaultdict(list)
-            for r, c in zip(info.ranks, info.coords, strict=True):
-                got[self._domain(r)].append((r, c))
-            self._grid_domains[gid] = got
-        return got
-
-    # -- resolve ----------------------------------------------------------
-
-    def _family_regions(self, fam: _Family, domain: int) -> list[_Region]:
-        key = (fam.index, domain)
-        regions = self._regions.get(key)
-        if regions is not None:
-            return regions
-        shape = fam.shape
-        needs: list[tuple[int, Box, Ref]] = []
-        for gi, g in enumerate(fam.dst_grids):
-            grid = self.dests.grids[g].grid
-            for r, c in self._grid_by_domain(g).get(domain, ()):
-                box = grid_box(grid, shape, c)
-                if not box.is_empty():
-                    needs.append((r, box, ("g", gi, c)))
-        for si, s in enumerate(fam.dst_slots):
-            if self._domain(s.rank) == domain and not s.box.is_empty():
-                needs.append((s.rank, s.box, ("s", si)))
-        holders: list[tuple[Box, list[tuple[int, Ref]]]] = []
-        by_box: dict[Box, list[tuple[int, Ref]]] = {}
-        for gi, g in enumerate(fam.src_grids):
-            for box, ranks, coords in self.sources.grids[g].holders(shape):
-                by_box.setdefault(box, []).extend((r, ("g", gi, c)) for r, c in zip(ranks, coords, strict=True))
-        for si, s in enumerate(fam.src_slots):
-            if not s.box.is_empty():
-                by_box.setdefault(s.box, []).append((s.rank, ("s", si)))
-        holders = [(b, sorted(m, key=lambda x: x[0])) for b, m in by_box.items()]
-        regions, problems = self._resolve(fam, domain, needs, holders)
-        self._regions[key] = regions
-        self._region_problems[key] = problems
-        return regions
-
-    def _resolve(
-        self,
-        fam: _Family,
-        domain: int,
-        needs: list[tuple[int, Box, Ref]],
-        holders: list[tuple[Box, list[tuple[int, Ref]]]],
-    ) -> tuple[list[_Region], list[Problem]]:
-        problems: list[Problem] = []
-        if not needs:
-            return [], problems
-        shape = fam.shape
-        nd = len(shape)
-        # Cut points per dim, and per interval the bitmask of needs / holders covering it.
-        intervals: list[list[tuple[int, int]]] = []
-        need_masks: list[list[int]] = []
-        hold_masks: list[list[int]] = []
-        for d in range(nd):
-            lo = min(b.offsets[d] for _, b, _ in needs)
-            hi = max(b.offsets[d] + b.sizes[d] for _, b, _ in needs)
-            cuts = {lo, hi}
-            for _, b, _ in needs:
-                cuts.add(b.offsets[d])
-                cuts.add(b.offsets[d] + b.sizes[d])
-            for b, _ in holders:
-                for x in (b.offsets[d], b.offsets[d] + b.sizes[d]):
-                    if lo < x < hi:
-                        cuts.add(x)
-            cl = sorted(cuts)
-            iv = list(itertools.pairwise(cl))
-            nm = [0] * len(iv)
-            hm = [0] * len(iv)
-            for j, (_, b, _) in enumerate(needs):
-                for i in range(bisect_left(cl, b.offsets[d]), bisect_left(cl, b.offsets[d] + b.sizes[d])):
-                    nm[i] |= 1 << j
-            for j, (b, _) in enumerate(holders):
-                a = bisect_left(cl, max(b.offsets[d], lo))
-                z = bisect_left(cl, min(b.offsets[d] + b.sizes[d], hi))
-                for i in range(a, z):
-                    hm[i] |= 1 << j
-            intervals.append(iv)
-            need_masks.append(nm)
-            hold_masks.append(hm)
-        all_needs = (1 << len(needs)) - 1
-        all_holders = (1 << len(holders)) - 1
-        cells: dict[tuple[int, int], list[Box]] = {}
-
-        def walk(d: int, offs: tuple, sizes: tuple, nmask: int, hmask: int) -> None:
-            if d == nd:
-                cells.setdefault((nmask, hmask), []).append(Box(offs, sizes))
-                return
-            for (a, z), n_m, h_m in zip(intervals[d], need_masks[d], hold_masks[d], strict=True):
-                m = nmask & n_m
-                if m:
-                    walk(d + 1, (*offs, a), (*sizes, z - a), m, hmask & h_m)
-
-        walk(0, (), (), all_needs, all_holders)
-        regions: list[_Region] = []
-        for (nmask, hmask), boxes in cells.items():
-            needers = [Endpoint(needs[j][0], needs[j][2]) for j in range(len(needs)) if nmask >> j & 1]
-            name = fam.names[0]
-            more = f" (and {len(fam.names) - 1} more tensors laid out alike)" if len(fam.names) > 1 else ""
-            seen: dict[int, int] = {}
-            for r, _ in needers:
-                seen[r] = seen.get(r, 0) + 1
-            dup = sorted(r for r, n in seen.items() if n > 1)
-            if dup:
-                problems.append(
-                    Problem(
-                        kind="overlap",
-                        tensor=name,
-                        ranks=tuple(dup),
-                        message=f"destination rank(s) {dup} need box {merge_boxes(boxes)[0]} of {name!r}{more} "
-                        "through two pieces (overlapping destination pieces)",
-                    )
-                )
-                continue
-            if not hmask:
-                problems.append(
-                    Problem(
-                        kind="uncovered",
-                        tensor=name,
-                        ranks=tuple(sorted(seen)),
-                        message=f"box(es) {', '.join(str(b) for b in merge_boxes(boxes)[:4])} of {name!r}{more} "
-                        f"(shape {list(shape)}) needed by rank(s) {sorted(seen)} are held by no source",
-                    )
-                )
-                continue
-            hs: dict[int, Ref] = {}
-            for j in range(len(holders)):
-                if hmask >> j & 1:
-                    for r, ref in holders[j][1]:
-                        hs.setdefault(r, ref)
-            hlist = [Endpoint(r, ref) for r, ref in sorted(hs.items())]
-            h_in = [h for h in hlist if self._domain(h[0]) == domain]
-            h_out = [h for h in hlist if self._domain(h[0]) != domain]
-            parts: list[Box] = []
-            n_pull = sum(1 for r, _ in needers if r not in hs)
-            cands = max(len(h_in) or len(h_out), n_pull if not h_in else 1)
-            for b in merge_boxes(boxes):
-                parts.extend(self._split(b, fam.itemsize, cands))
-            ordered = sorted(needers, key=lambda x: x[0])
-            regions.append(
-                _Region(
-                    parts=parts,
-                    needers=ordered,
-                    holders=hlist,
-                    holders_in=h_in,
-                    holders_out=h_out,
-                    ranks=frozenset(seen) | frozenset(hs),
-                    copies=[(Endpoint(n.rank, hs[n.rank]), n) for n in ordered if n.rank in hs],
-                    pulling=[n for n in ordered if n.rank not in hs],
-                )
-            )
-        regions.sort(key=lambda reg: (reg.parts[0].offsets, reg.needers[0][0]))
-        return regions, problems
-
-    def _split(self, box: Box, itemsize: int, cands: int) -> list[Box]:
-        nbytes = box.numel * itemsize
-        if cands <= 1 or nbytes <= self.split_bytes or box.ndim == 0:
-            return [box]
-        p = min(cands, -(-nbytes // self.split_bytes))
-        d = 0 if box.sizes[0] >= p else max(range(box.ndim), key=lambda i: box.sizes[i])
-        p = min(p, box.sizes[d])
-        out = []
-        for i in range(p):
-            a, z = chunk_range(box.sizes[d], p, i)
-            if z > a:
-                offs = list(box.offsets)
-                sizes = list(box.sizes)
-                offs[d] += a
-                sizes[d] = z - a
-                out.append(Box(tuple(offs), tuple(sizes)))
-        return out
-
-    @staticmethod
-    def _decide(reg: _Region, rot: int) -> list[Decision]:
-        """The decisions for one part of a region at rotation ``rot``."""
-        out = [Decision(TransferKind.COPY, h, n) for h, n in reg.copies]
-        pulling = reg.pulling
-        if not pulling:
-            return out
-        if reg.holders_in:
-            m = len(reg.holders_in)
-            for j, n in enumerate(pulling):
-                out.append(Decision(TransferKind.PULL, reg.holders_in[(rot + j) % m], n))
-            return out
-        leader = pulling[rot % len(pulling)]
-        out.append(Decision(TransferKind.PULL, reg.holders_out[rot % len(reg.holders_out)], leader))
-        for n in pulling:
-            if n is not leader:
-                out.append(Decision(TransferKind.FWD, leader, n))
-        return out
-
-    # -- outputs ----------------------------------------------------------
+            return
+        needs, _, cells = got
+        if cells.uncovered or not needs.distinct:
+            found = problems(cells, needs, fam.names, fam.shape)
+            if found:
+                self._region_problems[(fam.index, domain)] = found
 
     def problems(self, rank: int | None = None) -> list[Problem]:
         """Problems with the inputs; with ``rank``, only those its plan touches
         (plus every problem found while indexing the layouts)."""
         for fam in self._families:
-            if rank is None:
-                domains: Iterable[int] = fam.dst_domains
-            elif rank in fam.src_ranks:
-                domains = fam.dst_domains
-            elif rank in fam.dst_ranks:
-                domains = (self._domain(rank),)
-            else:
+            if fam.checked:
                 continue
-            for dom in domains:
-                self._family_regions(fam, dom)
+            if rank is None or self._geo.on_side(True, fam.src_side, rank):
+                for dom in self._geo.domains(fam):
+                    if (fam.index, dom) not in self._checked:
+                        self._check(fam, dom)
+                fam.checked = True
+            elif self._geo.on_side(False, fam.dst_side, rank):
+                key = (fam.index, self._domain(rank))
+                if key not in self._checked:
+                    self._checked.add(key)
+                    self._check(fam, key[1])
         out = list(self._problems)
         for key in sorted(self._region_problems):
             out.extend(self._region_problems[key])
@@ -514,6 +210,8 @@ class Planner:
         if problems:
             raise PlanError(problems)
 
+    # -- a rank's plan ----------------------------------------------------
+
     def plan_for(self, rank: int) -> RankPlan:
         """The transfers ``rank`` takes part in, grouped by round and peer.
 
@@ -522,136 +220,159 @@ class Planner:
         with gc_paused():
             return self._plan_for(rank)
 
-    def _resolve_ref(self, fam: _Family, side: str, ref: Ref) -> tuple:
-        """A ref with its grid box looked up once per family: ("s", i) or ("g", gi, coord, box)."""
+    def _resolve_ref(self, fam: Family, side: str, ref: Ref) -> tuple:
+        """A ref with its grid box looked up once per family: ("s", i) or
+        ("g", gi, coord, box, zero offsets). The same object for the same
+        place, so a slot built for it is reused while decisions name it."""
         if ref[0] == "s":
             return ref
         _, gi, coord = ref
         key = (side, gi, coord)
-        box = fam.boxes.get(key)
-        if box is None:
+        got = fam.refs.get(key)
+        if got is None:
             info = (self.sources if side == "src" else self.dests).grids[
                 (fam.src_grids if side == "src" else fam.dst_grids)[gi]
             ]
-            box = fam.boxes[key] = grid_box(info.grid, fam.shape, coord)
-        return ("g", gi, coord, box)
+            box = grid_box(info.grid, fam.shape, coord)
+            got = fam.refs[key] = ("g", gi, coord, box, zeros(len(box.sizes)))
+        return got
 
-    def _emit(self, fam: _Family, rank: int, tables: list, rounds: dict[int, Round]) -> None:
+    def _row(self, fam: Family, rank: int, decisions: list[Decision]) -> list[tuple]:
+        """``rank``'s decisions with refs resolved: (kind, src rank, reads a
+        destination slot, src ref, dst rank, dst ref, where it goes (``None``:
+        a local copy, ``True``: a send, ``False``: a receive), the peer)."""
+        out = []
+        for kind, (sr, sref), (dr, dref) in decisions:
+            fwd = kind is _FWD
+            s = self._resolve_ref(fam, "dst" if fwd else "src", sref)
+            where = None if kind is _COPY else sr == rank
+            out.append((kind, sr, fwd, s, dr, self._resolve_ref(fam, "dst", dref), where, dr if where else sr))
+        return out
+
+    def _emit(self, fam: Family, rank: int, tables: list, rounds: dict[int, Round]) -> None:
         """Instantiate the decisions in ``tables`` for every member of ``fam``."""
         # Resolve refs once per family and domain, not once per member.
         prepared: list[tuple] = []
         for part, period, per, reg, base in tables:
-            if per is None:
-                prepared.append((part, period, None, reg, base))
-                continue
-            rows: list[list[tuple]] | None = []
-            for decisions in per:
-                row = []
-                for kind, (sr, sref), (dr, dref) in decisions:
-                    s_side = "dst" if kind is TransferKind.FWD else "src"
-                    row.append(
-                        (
-                            kind,
-                            sr,
-                            s_side == "dst",
-                            self._resolve_ref(fam, s_side, sref),
-                            dr,
-                            self._resolve_ref(fam, "dst", dref),
-                        )
-                    )
-                rows.append(row)  # type: ignore[union-attr]
-            prepared.append((part, period, rows, reg, base))
+            rows = None if per is None else [self._row(fam, rank, decisions) for decisions in per]
+            prepared.append((part, part.numel, period, rows, reg, base))
         src_grids, dst_grids = self.sources.grids, self.dests.grids
-        single_round = self.rounds.single
-        split = self.rounds.split
+        table = self.rounds
+        first_round, num_blocks, split = table.first_round, table.num_blocks, table.split
         itemsize = fam.itemsize
-        src_metas, dst_metas = self.sources.metas, self.dests.metas
-        for m, ordinal in enumerate(fam.ordinals):
-            name = fam.names[m]
-            src_store = fam.src_store[m]
-            dst_store = fam.dst_store[m]
-            src_dtype = src_metas[name].dtype
-            dst_dtype = dst_metas[name].dtype
-            single = single_round(ordinal)
-            for part, period, rows, reg, base in prepared:
-                if rows is None:
-                    row = []
-                    for kind, (sr, sref), (dr, dref) in self._decide(reg, ordinal + base):
-                        if rank in (sr, dr):
-                            s_side = "dst" if kind is TransferKind.FWD else "src"
-                            row.append(
-                                (
-                                    kind,
-                                    sr,
-                                    s_side == "dst",
-                                    self._resolve_ref(fam, s_side, sref),
-                                    dr,
-                                    self._resolve_ref(fam, "dst", dref),
-                                )
-                            )
-                else:
+        src_dtype = fam.dtype
+        # This loop runs once per transfer of the plan (tens of thousands):
+        # slots are built inline, and a slot is reused while consecutive
+        # decisions name the same place (a sender's box sent to many peers).
+        # Each member's first decision sets both (the keys start at None).
+        s_slot: Slot = None  # type: ignore[assignment]
+        d_slot: Slot = None  # type: ignore[assignment]
+        for name, ordinal, dst_dtype, s_entries, s_slots, d_entries, d_slots in fam.members:
+            single = first_round[ordinal] if num_blocks[ordinal] == 1 else None
+            s_key = d_key = None
+            for part, numel, period, rows, reg, base in prepared:
+                if rows is not None:
                     row = rows[ordinal % period]
-                for kind, sr, s_from_dst, sref, dr, dref in row:
-                    if s_from_dst:
-                        s_slot = _make_slot(dst_store, dst_grids, sref, sr, name, dst_dtype)
-                        wire_size = dtype_size(s_slot.dtype)
+                else:
+                    row = self._row(fam, rank, decide_for(reg, ordinal + base, rank))
+                for kind, sr, fwd, sref, dr, dref, where, peer in row:
+                    if sref is not s_key:
+                        s_key = sref
+                        if sref[0] == "s":
+                            s_slot = (d_slots if fwd else s_slots)[sref[1]]
+                        else:
+                            # GridInfo.slot, inlined: twice per transfer.
+                            gid, pos = (d_entries if fwd else s_entries)[sref[1]]
+                            st = (dst_grids if fwd else src_grids)[gid].storage
+                            box = sref[3]
+                            dtype = dst_dtype if fwd else src_dtype
+                            if st is None:
+                                s_slot = Slot(sr, box, name, box.sizes, sref[4], (), dtype)
+                            else:
+                                s_slot = Slot(sr, box, st[0], st[1], storage_offset(st, pos), st[2], st[3] or dtype)
+                    if dref is not d_key:
+                        d_key = dref
+                        if dref[0] == "s":
+                            d_slot = d_slots[dref[1]]
+                        else:
+                            gid, pos = d_entries[dref[1]]
+                            st = dst_grids[gid].storage
+                            box = dref[3]
+                            if st is None:
+                                d_slot = Slot(dr, box, name, box.sizes, dref[4], (), dst_dtype)
+                            else:
+                                d_slot = Slot(dr, box, st[0], st[1], storage_offset(st, pos), st[2], st[3] or dst_dtype)
+                    wire_size = dtype_size(s_slot.dtype) if fwd else itemsize
+                    if single is not None:
+                        parts: Iterable[tuple[int, Box, int]] = ((single + fwd, part, numel),)
                     else:
-                        s_slot = _make_slot(src_store, src_grids, sref, sr, name, src_dtype)
-                        wire_size = itemsize
-                    d_slot = _make_slot(dst_store, dst_grids, dref, dr, name, dst_dtype)
-                    parts = [(single, part)] if single is not None else split(ordinal, part)
-                    for rnd, sub in parts:
-                        if kind is TransferKind.FWD:
-                            rnd += 1
-                        t = Transfer(name, sub, s_slot, d_slot, kind, rnd, sub.numel * wire_size, ordinal, s_slot.dtype)
+                        parts = [(rnd + fwd, sub, sub.numel) for rnd, sub in split(ordinal, part)]
+                    for rnd, sub, n in parts:
+                        t = Transfer(name, sub, s_slot, d_slot, kind, rnd, n * wire_size, ordinal, s_slot.dtype)
                         rp = rounds.get(rnd)
                         if rp is None:
                             rp = rounds[rnd] = Round(rnd)
-                        if kind is TransferKind.COPY:
+                        if where is None:
                             rp.copies.append(t)
-                        elif sr == rank:
-                            rp.sends.setdefault(dr, []).append(t)
+                            continue
+                        by_peer = rp.sends if where else rp.recvs
+                        got = by_peer.get(peer)
+                        if got is None:
+                            by_peer[peer] = [t]
                         else:
-                            rp.recvs.setdefault(sr, []).append(t)
+                            got.append(t)
 
     def _plan_for(self, rank: int) -> RankPlan:
         self.check(rank)
         my_domain = self._domain(rank)
         rounds: dict[int, Round] = {}
+        domain_of, split_bytes, geo = self._domain, self.split_bytes, self._geo
         for fam in self._families:
-            is_src = rank in fam.src_ranks
-            if not is_src and rank not in fam.dst_ranks:
+            is_src = geo.on_side(True, fam.src_side, rank)
+            if not is_src and not geo.on_side(False, fam.dst_side, rank):
                 continue
-            n_members = len(fam.ordinals)
-            for dom in fam.dst_domains if is_src else (my_domain,):
+            holders = geo.holders(fam)[0]
+            hbits = holders.bits_of(rank) if is_src else 0
+            n_members = len(fam.members)
+            tables: list[tuple] = []
+            # A rank that holds part of the family may send it to any domain;
+            # one that only needs it, or holds nothing of it, plans its own.
+            for dom in geo.domains(fam) if hbits else (my_domain,):
+                nbits = geo.needs(fam, dom)[0].bits.get(rank, 0)
+                got = geo.resolve(fam, dom) if nbits or hbits else None
+                if got is None:
+                    continue
+                needs, _, cells = got
+                walk = cells.walk
                 # Per part: the decisions that involve this rank, by rotation residue.
-                tables: list[tuple] = []
-                for ri, reg in enumerate(self._family_regions(fam, dom)):
-                    if rank not in reg.ranks:
+                for ri, ci in enumerate(cells.order):
+                    nmask, hmask, _ = walk[ci]
+                    if not (nmask & nbits or hmask & hbits):
                         continue
+                    reg = region(cells, ci, needs, holders, dom, domain_of, fam.itemsize, split_bytes)
                     period = reg.period
                     for pi, part in enumerate(reg.parts):
                         base = ri + pi + dom
-                        if period <= max(64, n_members):
-                            per = [
-                                [x for x in self._decide(reg, res + base) if x[1][0] == rank or x[2][0] == rank]
-                                for res in range(period)
-                            ]
+                        # Decisions repeat with the period: tabulate them when
+                        # members outnumber residues, else decide per member.
+                        if period <= n_members:
+                            per = [decide_for(reg, res + base, rank) for res in range(period)]
                             if any(per):
                                 tables.append((part, period, per, reg, base))
                         else:
                             tables.append((part, 0, None, reg, base))
-                if not tables:
-                    continue
+            if tables:
                 self._emit(fam, rank, tables, rounds)
         out = [rounds[k] for k in sorted(rounds)]
         for rp in out:
             for ts in rp.sends.values():
-                ts.sort(key=Transfer.sort_key)
+                _sort(ts)
             for ts in rp.recvs.values():
-                ts.sort(key=Transfer.sort_key)
-            rp.copies.sort(key=Transfer.sort_key)
+                _sort(ts)
+            _sort(rp.copies)
         return RankPlan(rank=rank, rounds=out, num_rounds=self.rounds.num_rounds + 1)
+
+    # -- the whole plan ---------------------------------------------------
 
     def traffic(self) -> Traffic:
         """Bytes per rank and link class of the whole plan, without building it.
@@ -666,21 +387,75 @@ class Planner:
     def _traffic(self) -> Traffic:
         self.check()
         t = Traffic(domain_of=self._domain, num_rounds=self.rounds.num_rounds + 1)
+        pairs, transfers, local = t.pairs, t.transfers, t.local
+        domain_of, split_bytes, geo = self._domain, self.split_bytes, self._geo
+        # The decisions of region() and decide(), on ranks only: this visits
+        # every cell of every family in every domain (millions at 2,048 ranks).
         for fam in self._families:
-            for d in fam.dst_domains:
-                for ri, reg in enumerate(self._family_regions(fam, d)):
-                    period = reg.period
-                    hist = Counter(o % period for o in fam.ordinals)
-                    for pi, part in enumerate(reg.parts):
-                        nbytes = part.numel * fam.itemsize
-                        for residue, count in hist.items():
+            itemsize = fam.itemsize
+            n_members = len(fam.members)
+            hists: dict[int, list[tuple[int, int]]] = {}
+            for d in geo.domains(fam):
+                got = geo.resolve(fam, d)
+                if got is None:
+                    continue
+                needs, holders, cells = got
+                items = needs.items
+                walk, numels = cells.walk, cells.numels
+                for ri, ci in enumerate(cells.order):
+                    nmask, hmask, _ = walk[ci]
+                    hs, hlist, doms = holders.merged(hmask, domain_of)
+                    if nmask & (nmask - 1):
+                        needers = sorted(items[j][0] for j in bits(nmask))
+                    else:
+                        needers = [items[nmask.bit_length() - 1][0]]
+                    pulling = [n for n in needers if n not in hs]
+                    if len(pulling) < len(needers):
+                        cell_bytes = numels[ci] * itemsize * n_members
+                        for n in needers:
+                            if n in hs:
+                                local[n] += cell_bytes
+                    n_pull = len(pulling)
+                    if not n_pull:
+                        continue
+                    if d in doms:
+                        srcs = [h[0] for h in hlist if domain_of(h[0]) == d]
+                        cands, inside = len(srcs), True
+                    else:
+                        srcs = [h[0] for h in hlist]
+                        cands, inside = max(len(srcs), n_pull), False
+                    n_src = len(srcs)
+                    parts = cells.parts(ci, fam.itemsize, cands, split_bytes)
+                    if n_src == 1 and n_pull == 1:
+                        # One sender, one receiver: every part of every member.
+                        key = (srcs[0], pulling[0])
+                        pairs[key] += numels[ci] * itemsize * n_members
+                        transfers[key] += len(parts) * n_members
+                        continue
+                    period = math.lcm(n_src, n_pull)
+                    hist = hists.get(period)
+                    if hist is None:
+                        hist = hists[period] = sorted(Counter(m[1] % period for m in fam.members).items())
+                    for pi, part in enumerate(parts):
+                        nbytes = part.numel * itemsize
+                        for residue, count in hist:
                             rot = residue + ri + pi + d
-                            for kind, (sr, _), (dr, _) in self._decide(reg, rot):
-                                if kind is TransferKind.COPY:
-                                    t.local[dr] += nbytes * count
-                                else:
-                                    t.pairs[(sr, dr)] += nbytes * count
-                                    t.transfers[(sr, dr)] += count
+                            size = nbytes * count
+                            if inside:
+                                for j, n in enumerate(pulling):
+                                    key = (srcs[(rot + j) % n_src], n)
+                                    pairs[key] += size
+                                    transfers[key] += count
+                                continue
+                            leader = pulling[rot % n_pull]
+                            key = (srcs[rot % n_src], leader)
+                            pairs[key] += size
+                            transfers[key] += count
+                            for n in pulling:
+                                if n != leader:
+                                    key = (leader, n)
+                                    pairs[key] += size
+                                    transfers[key] += count
         return t.finish()
 
     def domain_ingress(self) -> Counter:
@@ -688,12 +463,20 @@ class Planner:
         (each element counted once per domain): what must cross into it."""
         self.check()
         out: Counter = Counter()
-        for fam in self._families:
-            n = len(fam.names)
-            for d in fam.dst_domains:
-                for reg in self._family_regions(fam, d):
-                    if not reg.holders_in:
-                        out[d] += sum(p.numel for p in reg.parts) * fam.itemsize * n
+        with gc_paused():
+            for fam in self._families:
+                per = fam.itemsize * len(fam.members)
+                for d in self._geo.domains(fam):
+                    resolved = self._geo.resolve(fam, d)
+                    if resolved is None:
+                        continue
+                    _, holders, cells = resolved
+                    got = 0
+                    for (_, hmask, _), numel in zip(cells.walk, cells.numels, strict=True):
+                        if d not in holders.merged(hmask, self._domain)[2]:
+                            got += numel
+                    if got:
+                        out[d] += got * per
         return out
 
     # -- facts for reports --------------------------------------------------
@@ -706,7 +489,7 @@ class Planner:
         """Bytes of destination data ``rank`` keeps (from its layout)."""
         total = 0
         for fam in self._families:
-            if rank not in fam.dst_ranks:
+            if not self._geo.on_side(False, fam.dst_side, rank):
                 continue
             per = 0
             for g in fam.dst_grids:
@@ -714,5 +497,5 @@ class Planner:
                 for c in info.coord_of.get(rank, ()):
                     per += grid_box(info.grid, fam.shape, c).numel
             per += sum(s.box.numel for s in fam.dst_slots if s.rank == rank)
-            total += per * fam.itemsize * len(fam.names)
+            total += per * fam.itemsize * len(fam.members)
         return total

@@ -50,28 +50,39 @@ class RoundTable:
         self.num_blocks: list[int] = []
         self.first_round: list[int] = []
         budget = round_bytes * SHARE_UNITS
+        rows_per_block, num_blocks, first_round = self.rows_per_block, self.num_blocks, self.first_round
+        # Tensors of one shape, dtype and share cut alike (a model has a few
+        # hundred such kinds for tens of thousands of tensors): work out the
+        # cut once per kind; only the packing runs per tensor.
+        kinds: dict[tuple, tuple[int, int, int, int]] = {}
         rnd, fill = 0, 0
         for i, meta in enumerate(metas):
-            rows = meta.shape[0] if meta.shape else 1
-            numel = math.prod(meta.shape)
-            share = numel if shares is None else min(max(shares[i], 1), numel)
-            row_bytes = meta.nbytes // rows if rows else 0
-            # Integer arithmetic only: every rank must cut identically.
-            row_weight = row_bytes * -(-share * SHARE_UNITS // numel) if numel else 0
-            rpb = max(1, budget // row_weight) if row_weight else max(rows, 1)
-            nblocks = max(1, -(-rows // rpb))
-            first = min(rpb, rows) * row_weight
+            key = (meta.shape, meta.dtype, None if shares is None else shares[i])
+            kind = kinds.get(key)
+            if kind is None:
+                rows = meta.shape[0] if meta.shape else 1
+                numel = math.prod(meta.shape)
+                share = numel if shares is None else min(max(shares[i], 1), numel)
+                row_bytes = meta.nbytes // rows if rows else 0
+                # Integer arithmetic only: every rank must cut identically.
+                row_weight = row_bytes * -(-share * SHARE_UNITS // numel) if numel else 0
+                rpb = max(1, budget // row_weight) if row_weight else max(rows, 1)
+                nblocks = max(1, -(-rows // rpb))
+                first = min(rpb, rows) * row_weight
+                last = (rows - (nblocks - 1) * rpb) * row_weight
+                kind = kinds[key] = (rpb, nblocks, first, last)
+            rpb, nblocks, first, last = kind
             if fill and fill + first > budget:
                 rnd += 1
                 fill = 0
-            self.first_round.append(rnd)
+            first_round.append(rnd)
             if nblocks == 1:
                 fill += first
             else:
                 rnd += nblocks - 1
-                fill = (rows - (nblocks - 1) * rpb) * row_weight
-            self.rows_per_block.append(rpb)
-            self.num_blocks.append(nblocks)
+                fill = last
+            rows_per_block.append(rpb)
+            num_blocks.append(nblocks)
         self.num_rounds = rnd + 1 if metas else 0
 
     def single(self, ordinal: int) -> int | None:

@@ -35,7 +35,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--model",
         required=True,
-        help="preset name (llama3-8b, llama3-70b, qwen3-30b-a3b, qwen3-235b, deepseek-v3) or a path to a config.json",
+        help="preset name (llama3-8b, llama3-70b, qwen3-30b-a3b, qwen3-235b, deepseek-v3, kimi-k2) "
+        "or a path to a config.json",
     )
     p.add_argument("--trainer", required=True, help="trainer degrees: fsdp=64 | tp=4,pp=8,ep=16[,etp=1][,dp=4]")
     p.add_argument("--engine", required=True, help="engine degrees: tp=8,dp=16[,ep=on]")
