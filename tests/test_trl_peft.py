@@ -2,11 +2,14 @@
 reshard's integration: a TRL user adds ``peft_config`` and nothing else.
 
 Two trainer processes (Accelerate's DDP on CPU: the policy replicated) train
-a LoRA adapter (r=8 on every linear layer) for 3 steps:
+a LoRA adapter (r=8 on every linear layer) for 3 steps. Accelerate runs
+FSDP on accelerators only, and TRL applies ``peft_config`` itself, so on CPU
+a TRL LoRA run is DDP; the PEFT reader under FSDP2, FSDP1 and ZeRO-3 is
+checked tensor by tensor in tests/test_peft.py.
 
-- server mode, merged refits (the default): a real vLLM server started with
-  reshard's worker extension gets the merged policy each step, no gather of
-  the base; a control run with syncing off;
+- server mode, merged refits (the default): a real vLLM server (TP=2)
+  started with reshard's worker extension gets the merged policy each step,
+  no gather of the base; a control run with syncing off;
 - server mode, adapter-only refits (``ReshardOptions(lora="adapter")``): the
   server (``--enable-lora``) gets only the adapter, into its LoRA slots, and
   TRL's generation uses each new version;
@@ -58,7 +61,7 @@ def _server(policy: str, log: str, *, lora: bool):
     if lora:
         args += ["--enable-lora", "--max-lora-rank", "8", "--max-loras", "2"]
         env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "1"
-    return VllmServer(policy, tp=1, dtype="float32", log=log, args=args, env=env)
+    return VllmServer(policy, tp=2, dtype="float32", log=log, args=args, env=env)
 
 
 @pytest.fixture(scope="module")
