@@ -20,7 +20,7 @@ from reshard.costmodel.rules import EngineSpec, TrainerSpec, engine_layouts, tra
 from reshard.errors import RefitError
 from reshard.models import canonical_tensors
 from reshard.plan.planner import Planner, RankPlan
-from reshard.transport import wire
+from reshard.transport import joining, wire
 from reshard.transport.execute import Executor, wire_transfers, without_direct
 from reshard.transport.group import GroupConfig, RefitGroup
 from reshard.transport.ipc import CudaExporter
@@ -76,7 +76,7 @@ def _group(rank: int, hellos: dict[int, wire.Hello]) -> RefitGroup:
         backend="nccl",
         hellos=hellos,
     )
-    g.no_wire = g._shared_gpus()
+    g.no_wire = joining.shared_gpus(g.hellos)
     return g
 
 

@@ -41,14 +41,13 @@ import datetime
 import hashlib
 import logging
 import os
-import socket
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from reshard.errors import MetadataError, RefitError, span
-from reshard.transport import wire
+from reshard.transport import joining, wire
 from reshard.transport.auth import JobKeys, job_keys
 from reshard.transport.config import GroupConfig
 from reshard.transport.messages import BIG_BYTES
@@ -144,49 +143,16 @@ class RefitGroup:
         if not 0 <= rank < config.world_size:
             raise ValueError(f"refit rank {rank} outside 0..{config.world_size - 1}")
         role = "source" if rank < config.num_sources else "destination"
-        dev = torch.device(device)
         backend = config.backend
+        dev = torch.device(device)
         if backend == "auto":
             backend = "nccl" if dev.type == "cuda" else "gloo"
         timeout = datetime.timedelta(seconds=config.timeout_s)
         keys = job_keys(config.token, config.job, config.generation)
         deadline = time.monotonic() + config.timeout_s
         tcp = connect_store(config, rank)
-        domain = config.domain or os.environ.get("RESHARD_DOMAIN") or socket.gethostname()
-        shm_host = ipc_host = gpu = ""
-        gpus: tuple[str, ...] = ()
-        if config.shared_memory and dev.type == "cpu" and backend == "gloo":
-            from reshard.transport.shm import host_id
-
-            shm_host = config.shm_host or host_id()
-        if dev.type == "cuda":
-            from reshard.transport.ipc import gpu_uuid, visible_gpus
-
-            if dev.index is None:
-                dev = torch.device("cuda", torch.cuda.current_device())
-            gpu, gpus = gpu_uuid(dev), visible_gpus()
-            if config.shared_memory:
-                from reshard.transport.shm import host_id
-
-                ipc_host = config.shm_host or host_id()
-        hello = wire.Hello(
-            rank=rank,
-            role=role,
-            domain=domain,
-            host=socket.gethostname(),
-            pid=os.getpid(),
-            device=str(dev),
-            checksums=config.checksums,
-            num_sources=config.num_sources,
-            num_destinations=config.num_destinations,
-            budget_bytes=budget_bytes,
-            round_bytes=round_bytes,
-            big_bytes=big_bytes,
-            shm_host=shm_host,
-            gpu=gpu,
-            gpus=gpus,
-            ipc_host=ipc_host,
-            delta=config.delta,
+        hello, dev = joining.hello_for(
+            config, rank, role, dev, backend, budget_bytes=budget_bytes, round_bytes=round_bytes, big_bytes=big_bytes
         )
         hello_keys = [f"hello/{r}" for r in range(config.world_size)]
         try:
@@ -211,7 +177,7 @@ class RefitGroup:
             raise RefitError("join", {rank: f"the refit store at {config.address} failed: {e}"}) from e
         while True:
             try:
-                epoch = _claim(ns, rank)
+                epoch = joining.claim(ns, rank)
             except Exception as e:
                 raise RefitError("join", {rank: f"the refit store at {config.address} failed: {e}"}) from e
             group = cls(
@@ -244,58 +210,13 @@ class RefitGroup:
             if h.rank != r:
                 raise RefitError("join", {rank: f"hello/{r} holds the hello of rank {h.rank}"})
             group.hellos[r] = h
-        group._check_hellos()
-        group.no_wire = group._shared_gpus() if backend == "nccl" else ""
+        joining.check_hellos(group.hellos, config, rank)
+        group.no_wire = joining.shared_gpus(group.hellos) if backend == "nccl" else ""
         if group.no_wire:
             log.info("rank %d: no NCCL process group: %s", rank, group.no_wire)
         else:
-            group.pg = group._make_pg(dev, timeout)
+            group.pg = joining.make_pg(group.store, config, rank, backend, dev, timeout)
         return group
-
-    def _shared_gpus(self) -> str:
-        """Ranks whose hellos name the same GPU, said as why no NCCL
-        communicator can span the group (empty: every rank has its own)."""
-        by_gpu: dict[str, list[int]] = {}
-        for r, h in sorted(self.hellos.items()):
-            if h.gpu:
-                by_gpu.setdefault(h.gpu, []).append(r)
-        shared = [(g, rs) for g, rs in by_gpu.items() if len(rs) > 1]
-        if not shared:
-            return ""
-        pairs = "; ".join(f"ranks {span(rs)} on GPU {g} ({self.hellos[rs[0]].host})" for g, rs in shared[:3])
-        more = f" and {len(shared) - 3} more GPUs" if len(shared) > 3 else ""
-        return (
-            f"{pairs}{more} share a GPU, and NCCL refuses two ranks of one communicator on one GPU, so every "
-            "byte must move by CUDA IPC (GroupConfig(shared_memory=True) on every rank, receivers on the "
-            "senders' host)"
-        )
-
-    def _check_hellos(self) -> None:
-        """Settings every rank must share, compared before any process group
-        exists: each rank reads the same hellos, so all refuse alike."""
-
-        def differ(what: str, value) -> None:
-            by_value: dict[object, list[int]] = {}
-            for r, h in sorted(self.hellos.items()):
-                by_value.setdefault(value(h), []).append(r)
-            if len(by_value) > 1:
-                text = f"ranks disagree on {what}: " + "; ".join(
-                    f"{v} on rank(s) {span(rs)}" for v, rs in by_value.items()
-                )
-                raise RefitError("join", {self.rank: text}, agreed=True)
-
-        differ(
-            "the group's role split (GroupConfig num_sources, num_destinations)",
-            lambda h: f"{h.num_sources} sources + {h.num_destinations} destinations" if h.num_sources else "(not said)",
-        )
-        differ("GroupConfig.checksums", lambda h: "on" if h.checksums else "off")
-        differ("GroupConfig.delta", lambda h: "on" if h.delta else "off")
-        for r, h in self.hellos.items():
-            expect = "source" if r < self.config.num_sources else "destination"
-            if h.role != expect:
-                raise RefitError(
-                    "join", {self.rank: f"rank {r} joined as a {h.role}; refit rank {r} is a {expect}"}, agreed=True
-                )
 
     def plan_inputs(self) -> tuple[int, int, dict[int, int]]:
         """``(round_bytes, big_bytes, budgets)`` every rank plans with: the
@@ -308,33 +229,6 @@ class RefitGroup:
             min(bigs) if bigs else BIG_BYTES,
             {r: h.budget_bytes for r, h in self.hellos.items()},
         )
-
-    def _make_pg(self, dev: torch.device, timeout: datetime.timedelta) -> Any:
-        from torch.distributed import PrefixStore
-
-        pg_store = PrefixStore("pg", self.store)
-        world = self.config.world_size
-        env = self.config.pg_env() if self.config.pg_env is not None else contextlib.nullcontext()
-        try:
-            with env:
-                if self.backend == "gloo":
-                    from torch.distributed import ProcessGroupGloo
-
-                    opts = ProcessGroupGloo._Options()  # type: ignore[attr-defined]
-                    opts._timeout = timeout
-                    opts._devices = [ProcessGroupGloo.create_default_device()]
-                    return ProcessGroupGloo(pg_store, self.rank, world, opts)
-                from torch.distributed import ProcessGroupNCCL
-
-                nopts = ProcessGroupNCCL.Options()
-                nopts._timeout = timeout
-                pg = ProcessGroupNCCL(pg_store, self.rank, world, nopts)
-                # One communicator for the whole group (not one per pair of
-                # ranks), built now, inside ``pg_env``.
-                pg.eager_connect_single_device(dev)
-                return pg
-        except Exception as e:
-            raise RefitError("join", {self.rank: f"building the {self.backend} process group failed: {e}"}) from e
 
     # -- sealed values --------------------------------------------------------
 
@@ -740,13 +634,3 @@ def _fast_poll(world_size: int) -> float:
     """The longest pause of a wait's first second: 1 ms in small groups, more
     in large ones so that the store serves at most ~10k checks a second."""
     return min(_POLL_MAX_S, max(0.001, world_size * 1e-4))
-
-
-def _claim(ns: Any, rank: int) -> int:
-    """Claim this rank's slot in the job's current epoch; move the job to the
-    next epoch when the slot is taken (see the module docstring)."""
-    while True:
-        epoch = int(ns.get("epoch"))
-        if ns.add(f"slot/e{epoch}/{rank}", 1) == 1:
-            return epoch
-        ns.compare_set("epoch", str(epoch), str(epoch + 1))
