@@ -205,8 +205,11 @@ def run_engine_bench(
     warmup: int = 1,
     dtype: str = "float32",
     workdir: str | None = None,
+    methods: tuple[str, ...] = METHODS,
     say=print,
 ) -> dict[str, Any]:
+    """``methods``: which of :data:`METHODS` to run (``reshard`` always runs:
+    the ratios are against it)."""
     import torch
 
     from reshard.adapters.core.spec import GroupSpec
@@ -237,6 +240,7 @@ def run_engine_bench(
         "refit_address": refit_address,
         "pg_port": free_port(),
         "parties": 1 + trainers + tp,
+        "methods": methods,
     }
     say(f"starting vLLM (TP={tp}, CPU) ...")
     llm = offline_llm(str(engine_path), tp, dtype=dtype)
@@ -254,7 +258,7 @@ def run_engine_bench(
         init = init_workers(llm, GroupSpec.of(group, with_token=True))
         kept = [int(r.stats["kept_bytes"]) for r in init]
         store.set("bench/kept", json.dumps(kept))
-        steps = schedule(warmup, reps)
+        steps = schedule(warmup, reps, methods)
         say(f"{len(steps)} timed steps ({warmup} warm-up round(s), then {reps}), methods alternating ...")
         refit = 0
         for step, (rep, method) in enumerate(steps):
@@ -293,7 +297,7 @@ def run_engine_bench(
         join_all(procs)
         shutdown(llm)
     merge_ranks(rows, results)
-    return summarize(rows, tokens, kept, model_bytes, size_mb, tp, trainers, dtype, reps, warmup)
+    return summarize(rows, tokens, kept, model_bytes, size_mb, tp, trainers, dtype, reps, warmup, names=methods)
 
 
 def join_all(procs) -> None:
@@ -368,12 +372,13 @@ def summarize(
             entry["bytes_received"] = [w["bytes_received"] for w in timed[-1]["workers"]]
             entry["timeline"] = _timeline(timed)
         methods[m] = entry
-    rs, raw = methods["reshard"], methods["raw_p2p"]
-    ratios = {
-        "reshard_vs_raw_throughput": raw["seconds_median"] / rs["seconds_median"],
-        "reload_over_reshard": methods["reload"]["seconds_median"] / rs["seconds_median"],
-        "gather_broadcast_over_reshard": methods["gather_broadcast"]["seconds_median"] / rs["seconds_median"],
-    }
+    rs = methods["reshard"]
+    ratios = {}
+    if "raw_p2p" in methods:
+        ratios["reshard_vs_raw_throughput"] = methods["raw_p2p"]["seconds_median"] / rs["seconds_median"]
+    for m, key in (("reload", "reload_over_reshard"), ("gather_broadcast", "gather_broadcast_over_reshard")):
+        if m in methods:
+            ratios[key] = methods[m]["seconds_median"] / rs["seconds_median"]
     if "two_phase" in methods:
         two = methods["two_phase"]
         ratios["two_phase_paused_fraction"] = two["paused_median"] / two["seconds_median"]
@@ -397,7 +402,9 @@ def summarize(
 
 def _timeline(rows: list[dict[str, Any]]) -> dict[str, float]:
     """Medians over the timed refits of one method: where the time went, by
-    the slowest rank of each side."""
+    the slowest rank of each side, and the slowest worker's phases (its
+    transfer's wait on the wire and staging copies, the engine lifecycle's
+    steps), with the CPU time every rank of a side used."""
 
     def med(values: list[float]) -> float:
         return statistics.median(values) if values else 0.0
@@ -405,20 +412,42 @@ def _timeline(rows: list[dict[str, Any]]) -> dict[str, float]:
     def worst(row, side: str, key: str) -> float:
         return max((float(x.get(key, 0.0)) for x in row.get(side, [])), default=0.0)
 
+    def slowest(row) -> dict[str, Any]:
+        workers = row.get("workers") or [{}]
+        return max(workers, key=lambda w: float(w.get("total_seconds", 0.0)))
+
+    def cpu(row, side: str) -> float:
+        return sum(float(x.get("cpu_seconds", 0.0)) for x in row.get(side, []))
+
     out = {
         "trainer_plan": med([worst(r, "trainers", "plan_seconds") for r in rows]),
         "trainer_agree": med([worst(r, "trainers", "agree_seconds") for r in rows]),
         "trainer_transfer": med([worst(r, "trainers", "seconds") for r in rows]),
+        "trainer_cpu": med([cpu(r, "trainers") for r in rows]),
         "worker_plan": med([worst(r, "workers", "plan_seconds") for r in rows]),
         "worker_agree": med([worst(r, "workers", "agree_seconds") for r in rows]),
         "worker_transfer": med([worst(r, "workers", "seconds") for r in rows]),
+        "worker_landed": med([worst(r, "workers", "landed_seconds") for r in rows]),
         "worker_apply": med([worst(r, "workers", "apply_seconds") for r in rows]),
         "worker_stage": med([worst(r, "workers", "stage_seconds") for r in rows]),
+        "worker_cpu": med([cpu(r, "workers") for r in rows]),
         "flush": med([r["flush_seconds"] for r in rows]),
         "paused": med([r["paused_seconds"] for r in rows]),
         "total": med([r["seconds"] for r in rows]),
     }
+    # The slowest worker's phases: its transfer's (ExecStats.phase_seconds)
+    # and its engine lifecycle's (LayerwiseUpdate.seconds).
+    for source, prefix in (("phase_seconds", "phase_"), ("lifecycle_seconds", "step_")):
+        keys = sorted({k for r in rows for k in (slowest(r).get(source) or {})})
+        for k in keys:
+            out[prefix + k] = med([float((slowest(r).get(source) or {}).get(k, 0.0)) for r in rows])
     return {k: v for k, v in out.items() if not math.isnan(v)}
+
+
+def _phases(tl: dict[str, float], prefix: str) -> str:
+    return ", ".join(
+        f"{k.removeprefix(prefix).replace('_', ' ')} {v:.3f}" for k, v in tl.items() if k.startswith(prefix)
+    )
 
 
 def format_result(res: dict[str, Any]) -> str:
@@ -429,6 +458,7 @@ def format_result(res: dict[str, Any]) -> str:
         f"{res['warmup']} warm-up",
         f"{'method':<18}{'median s':>10}{'GB/s':>8}{'paused s':>10}   timeline (median s, slowest rank)",
     ]
+    details = []
     for name, m in res["method"].items():
         tl = m.get("timeline")
         detail = ""
@@ -439,14 +469,19 @@ def format_result(res: dict[str, Any]) -> str:
             )
             if tl.get("worker_stage"):
                 detail += f", staged in {tl['worker_stage']:.3f}"
+            details.append(_detail(name, tl))
         paused = f"{m['paused_median']:>10.3f}" if name != "raw_p2p" else f"{'-':>10}"
         lines.append(f"{name:<18}{m['seconds_median']:>10.3f}{m['gb_per_s']:>8.2f}{paused}   {detail}")
+    lines += details
     r = res["ratios"]
-    summary = (
-        f"reshard at {r['reshard_vs_raw_throughput']:.2f}x raw point-to-point throughput; "
-        f"gather-and-broadcast takes {r['gather_broadcast_over_reshard']:.2f}x reshard's time, "
-        f"a /dev/shm reload {r['reload_over_reshard']:.2f}x"
-    )
+    parts = []
+    if "reshard_vs_raw_throughput" in r:
+        parts.append(f"reshard at {r['reshard_vs_raw_throughput']:.2f}x raw point-to-point throughput")
+    if "gather_broadcast_over_reshard" in r:
+        parts.append(f"gather-and-broadcast takes {r['gather_broadcast_over_reshard']:.2f}x reshard's time")
+    if "reload_over_reshard" in r:
+        parts.append(f"a /dev/shm reload {r['reload_over_reshard']:.2f}x")
+    summary = ", ".join(parts)
     if "two_phase_paused_fraction" in r:
         summary += (
             f"; two-phase pauses generation for {r['two_phase_paused_fraction']:.0%} of its refit "
@@ -457,6 +492,24 @@ def format_result(res: dict[str, Any]) -> str:
     lines.append(
         "greedy tokens after each method equal those after the engine's own reload: "
         + ", ".join(f"{m} {ok}" for m, ok in match.items())
+    )
+    return "\n".join(lines)
+
+
+def _detail(name: str, tl: dict[str, float]) -> str:
+    """Where one method's time went (medians, the slowest worker): its
+    transfer until the last byte landed and that transfer's phases, the
+    engine lifecycle's steps (for a two-phase refit: what ran while
+    generation was paused), and the CPU time each side used."""
+    lines = [f"  {name}: slowest worker's transfer landed in {tl.get('worker_landed', 0.0):.3f} s"]
+    if phases := _phases(tl, "phase_"):
+        lines[0] += f" ({phases})"
+    if steps := _phases(tl, "step_"):
+        when = "paused (commit)" if name == "two_phase" else "lifecycle"
+        lines.append(f"    {when}: {steps}")
+    lines.append(
+        f"    cpu seconds: trainers {tl.get('trainer_cpu', 0.0):.3f}, workers {tl.get('worker_cpu', 0.0):.3f} "
+        "(every rank of the side, summed)"
     )
     return "\n".join(lines)
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -65,18 +66,24 @@ def adopt_released_kernels(layer: torch.nn.Module, info: Any) -> list[str]:
 
 
 @contextlib.contextmanager
-def released_kernels_adopted() -> Iterator[None]:
+def released_kernels_adopted(seconds: dict[str, float] | None = None) -> Iterator[None]:
     """vLLM's own layerwise processing, with :func:`adopt_released_kernels`
     applied to every layer it processes, for the length of the block (a
     reload through vLLM's own ``reload_weights``; reshard's receiver calls
-    the function itself)."""
+    the function itself). ``seconds["copy_back"]`` accumulates the time
+    spent copying processed values into the live tensors."""
     from vllm.model_executor.model_loader.reload import layerwise
 
     original = layerwise._copy_and_restore_kernel_tensors
 
     def copy_and_restore(layer, info):
+        t0 = time.perf_counter()
         adopt_released_kernels(layer, info)
-        return original(layer, info)
+        try:
+            return original(layer, info)
+        finally:
+            if seconds is not None:
+                seconds["copy_back"] = seconds.get("copy_back", 0.0) + time.perf_counter() - t0
 
     layerwise._copy_and_restore_kernel_tensors = copy_and_restore
     try:

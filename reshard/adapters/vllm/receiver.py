@@ -29,6 +29,7 @@ the worker keeps (:attr:`VllmReceiver.kept_bytes`), kept for the next refit.
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import contextlib
 import dataclasses
 import threading
@@ -43,7 +44,7 @@ from reshard.adapters.vllm.lifecycle import (
     followers,
     released_kernels_adopted,
 )
-from reshard.adapters.vllm.update import LayerwiseUpdate, WorkerModel
+from reshard.adapters.vllm.update import Applier, LayerwiseUpdate, WorkerModel
 from reshard.errors import MixedWeightsError, ReshardError
 from reshard.plan.layout import TensorMeta
 from reshard.plan.specs import build_layout
@@ -195,6 +196,8 @@ class VllmReceiver:
             private_base=True,
         )
         self.last_stats: dict[str, Any] = {}
+        # Layers are processed on this thread while later rounds arrive (see Applier).
+        self._apply_pool = cf.ThreadPoolExecutor(1, thread_name_prefix="reshard-apply")
         self._staging: _Staging | None = None
         self._buffers: dict[str, torch.Tensor] | None = None
 
@@ -224,13 +227,14 @@ class VllmReceiver:
             return self._pull_delta(refit, method, atomic)
         update = LayerwiseUpdate(self.worker, refit)
         t0 = time.perf_counter()
-        with self._applying(update):
+        with self._applying(update), Applier(update.after_round, self._apply_pool) as applier:
             stats = self.receiver.pull(
                 refit,
                 method=method,
                 destinations=update.tensors,
                 before_transfer=update.begin,
-                after_round=None if atomic else update.after_round,
+                after_round=None if atomic else applier.released,
+                after_transfer=applier.drain,
             )
             # (The baseline has no rounds of ours: its first write starts the lifecycle.)
             update.end()
@@ -240,6 +244,7 @@ class VllmReceiver:
             "refit_seconds": time.perf_counter() - t0,
             "kept_bytes": self.kept_bytes,
             "layers_processed": update.n_processed,
+            "lifecycle_seconds": dict(update.seconds),
             "loader_tensors": update.n_loaded,
             "atomic": atomic,
         }
@@ -271,13 +276,18 @@ class VllmReceiver:
             update = LayerwiseUpdate(self.worker, refit)
             touched: set[str] = set()
             try:
-                with self._applying(update):
+                with (
+                    self._applying(update),
+                    Applier(lambda i, changed: update.load_released(buffers, changed, i), self._apply_pool) as applier,
+                ):
                     stats = self.receiver.pull(
                         refit,
                         method=method,
                         destinations=buffers,
                         before_transfer=update.begin,
-                        after_round=lambda i: update.load_released(buffers, touched, i),
+                        # What changed so far, taken on the executor's thread.
+                        after_round=lambda i: applier.released(i, frozenset(touched)),
+                        after_transfer=applier.drain,
                         touched=touched,
                     )
                     received = time.perf_counter() - t0
@@ -294,6 +304,7 @@ class VllmReceiver:
             "kept_bytes": self.kept_bytes,
             "staging_bytes": self.staging_bytes,
             "layers_processed": update.n_processed,
+            "lifecycle_seconds": dict(update.seconds),
             "layers_skipped": len(update.skipped),
             "loader_tensors": update.n_loaded,
             "atomic": atomic,
@@ -414,6 +425,7 @@ class VllmReceiver:
             "kept_bytes": self.kept_bytes,
             "staging_bytes": self.staging_bytes,
             "layers_processed": update.n_processed,
+            "lifecycle_seconds": dict(update.seconds),
             "loader_tensors": update.n_loaded,
             "layers_skipped": len(update.skipped),
             "atomic": True,
@@ -429,7 +441,7 @@ class VllmReceiver:
         if it fails, put back the old weights of every layer not yet processed
         and record whether this worker is now mixed."""
         try:
-            with released_kernels_adopted():
+            with released_kernels_adopted(update.seconds):
                 yield
         except BaseException as e:
             try:
@@ -444,6 +456,7 @@ class VllmReceiver:
     def close(self) -> None:
         job = self._staging
         self.receiver.close()
+        self._apply_pool.shutdown(wait=True)
         if job is not None and job.thread is not None:
             job.thread.join(timeout=5)
         self._staging = None

@@ -8,8 +8,12 @@ weights of every layer not yet processed.
 
 from __future__ import annotations
 
+import concurrent.futures as cf
+import contextlib
+import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -21,7 +25,20 @@ from reshard.plan.items import RankPlan
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["LayerwiseUpdate", "WorkerModel"]
+__all__ = ["STEPS", "Applier", "LayerwiseUpdate", "WorkerModel"]
+
+STEPS = {
+    "begin": "initialize_layerwise_reload: every layer's parameters put on the meta device, live tensors kept aside",
+    "materialize": "layers given fresh parameters of their checkpoint-loading shapes (old values kept of live ones)",
+    "zero": "materialized parameters zeroed where the checkpoint leaves padding",
+    "load": "staging buffers copied into materialized parameters (two-phase and delta refits)",
+    "loaders": "loader tensors run through vLLM's own loaders",
+    "process": "process_weights_after_loading: repacking, quantization (and CPU MoE experts packed again)",
+    "copy_back": "processed values copied into the live tensors the engine reads",
+    "finalize": "finalize_layerwise_reload: attention layers, untouched layers put back",
+    "followers": "modules that share a tensor with an updated one processed again (a tied lm_head)",
+}
+"""The steps of :attr:`LayerwiseUpdate.seconds`."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -45,10 +62,15 @@ class WorkerModel:
     """Modules that derive state from layers a refit processes, reprocessed
     after it (:func:`reshard.adapters.vllm.lifecycle.followers`)."""
     loader_buffers: dict[str, torch.Tensor] = field(default_factory=dict)
+    whole: frozenset[str] = frozenset()
+    """Parameters the pieces tile exactly (:meth:`LearnedLayout.whole`):
+    a refit writes every element, so they are never zeroed first."""
 
     def __post_init__(self) -> None:
         if not self.modules:
             object.__setattr__(self, "modules", dict(self.model.named_modules()))
+        if not self.whole:
+            object.__setattr__(self, "whole", self.learned.whole())
 
     def loader_buffer(self, local: str) -> torch.Tensor:
         """The buffer loader tensor ``local`` is received into: the
@@ -102,14 +124,23 @@ class LayerwiseUpdate:
         self.n_processed = 0
         self.skipped: set[str] = set()
         """Layers :meth:`load_from` left alone (nothing of theirs changed)."""
+        self.seconds: dict[str, float] = {}
+        """Where the lifecycle's time went, by step (see :data:`STEPS`)."""
+
+    def _tick(self, step: str, since: float) -> float:
+        now = time.perf_counter()
+        self.seconds[step] = self.seconds.get(step, 0.0) + now - since
+        return now
 
     def begin(self, plan: RankPlan | None = None) -> None:
         """Every rank agreed to go ahead: enter vLLM's reload lifecycle."""
         from vllm.model_executor.model_loader.reload import layerwise
 
+        t0 = time.perf_counter()
         self.release(plan)
         layerwise.initialize_layerwise_reload(self.owner.model)
         self.started = True
+        self._tick("begin", t0)
 
     def release(self, plan: RankPlan | None) -> None:
         """Set each layer's release round: the last round of ``plan`` that
@@ -131,7 +162,7 @@ class LayerwiseUpdate:
         """The round after which ``layer`` is processed (see :meth:`release`)."""
         return self.layers[layer].release_round
 
-    def to_load(self, changed: set[str] | None) -> set[str]:
+    def to_load(self, changed: AbstractSet[str] | None) -> set[str]:
         """The layers a refit loads when ``changed`` buffers changed (``None``:
         all): those of the changed parameters, and every layer a loader
         tensor that changed writes."""
@@ -145,8 +176,8 @@ class LayerwiseUpdate:
 
     def param(self, local: str, *, zero: bool = True) -> torch.Tensor:
         """The (materialized) parameter ``local`` to write into (zeroed when
-        its layer is materialized, unless ``zero=False``: the caller
-        overwrites all of it)."""
+        its layer is materialized, unless the pieces tile it, or
+        ``zero=False``: the caller overwrites all of it)."""
         import torch
         from vllm.model_executor.model_loader.reload import layerwise
 
@@ -160,10 +191,12 @@ class LayerwiseUpdate:
         if layer.processed:
             raise ReshardError(f"{local!r} written after its layer {layer.name!r} was processed")
         if not layer.materialized:
+            t0 = time.perf_counter()
             modules = self.owner.modules
             before = {p: _attr(modules, p) for p in layer.params}
             info = layerwise.LAYERWISE_INFO[layer.module]
             layerwise.materialize_layer(layer.module, info)
+            fresh = []
             with torch.no_grad():
                 for p in layer.params:
                     t = _attr(modules, p)
@@ -175,8 +208,12 @@ class LayerwiseUpdate:
                         # put back if the refit fails before the layer is
                         # processed.
                         self.live[p] = t.detach().clone()
-                    if zero:
-                        t.zero_()
+                    if zero and p not in self.owner.whole:
+                        fresh.append(t)
+                t0 = self._tick("materialize", t0)
+                for t in fresh:
+                    t.zero_()
+                self._tick("zero", t0)
             layer.materialized = True
         return _attr(self.owner.modules, local).data
 
@@ -211,7 +248,7 @@ class LayerwiseUpdate:
         for layer in deferred:
             self._process(layer)
 
-    def load_released(self, buffers: Mapping[str, torch.Tensor], changed: set[str], index: int) -> None:
+    def load_released(self, buffers: Mapping[str, torch.Tensor], changed: AbstractSet[str], index: int) -> None:
         """A delta refit in flight, after round ``index``: load from ``buffers``
         (and process) every layer whose last round has landed and whose
         buffers changed, and leave alone those whose did not, while later
@@ -246,7 +283,9 @@ class LayerwiseUpdate:
             dst = self.param(p, zero=not full)
             src = buffers.get(p)
             if src is not None:
+                t0 = time.perf_counter()
                 dst.copy_(src)
+                self._tick("load", t0)
 
     def run_loaders(self, buffers: Mapping[str, torch.Tensor] | None, layers: set[str] | None = None) -> None:
         """Run vLLM's own loader on every loader tensor (received into
@@ -258,6 +297,7 @@ class LayerwiseUpdate:
         from vllm.model_executor.model_loader.reload import layerwise
 
         self.loaded = True
+        t0 = time.perf_counter()
         for via in self.owner.learned.via_loader.values():
             if not via.params or via.region.is_empty():
                 continue
@@ -277,6 +317,7 @@ class LayerwiseUpdate:
                     buf = buf.clone()
                 self.owner.model.load_weights(iter([(via.tensor.name, buf)]))  # type: ignore[operator]
             self.n_loaded += 1
+        self._tick("loaders", t0)
 
     def after_round(self, index: int) -> None:
         for layer in self.layers.values():
@@ -287,12 +328,19 @@ class LayerwiseUpdate:
         from vllm.model_executor.model_loader.reload import layerwise
 
         t0 = time.perf_counter()
+        copied = self.seconds.get("copy_back", 0.0)
         info = layerwise.LAYERWISE_INFO[layer.module]
         layerwise._layerwise_process(layer.module, info)
         repack_cpu_experts(layer.module)
         layer.processed = True
         self.n_processed += 1
-        self.process_seconds += time.perf_counter() - t0
+        took = time.perf_counter() - t0
+        self.process_seconds += took
+        # The copy into the live tensors runs inside vLLM's processing
+        # (released_kernels_adopted times it): count it apart.
+        self.seconds["process"] = (
+            self.seconds.get("process", 0.0) + took - (self.seconds.get("copy_back", 0.0) - copied)
+        )
 
     def end(self) -> None:
         from vllm.model_executor.model_loader.reload import layerwise
@@ -306,10 +354,13 @@ class LayerwiseUpdate:
             layer.name for layer in self.layers.values() if not layer.processed and layer.name not in self.skipped
         ]
         if self.started:
+            t0 = time.perf_counter()
             layerwise.finalize_layerwise_reload(self.owner.model, self.owner.model_config)
             self.started = False
+            t0 = self._tick("finalize", t0)
             for name in self.owner.followers:
                 reprocess(self.owner.modules[name])
+            self._tick("followers", t0)
         if missing:
             raise MixedWeightsError(
                 "apply",
@@ -345,6 +396,115 @@ class LayerwiseUpdate:
                 },
                 version=self.refit,
             ) from error
+
+
+class Applier:
+    """Runs a refit's per-round engine work (processing the layers whose last
+    round landed) on a thread of its own, so the executor's thread goes
+    straight back to the wire instead of holding up the next receive.
+
+    ``released(i, *args)`` is the executor's ``after_round`` (``args`` are
+    taken on its thread, e.g. a snapshot of the tensors that changed);
+    ``work(i, *args)`` runs on the applier's thread (work for round ``i``
+    covers every earlier round, so rounds released while it was busy are
+    folded into the newest). ``drain()`` (the executor's
+    ``after_transfer``) waits for the work to finish and raises its error;
+    leaving the ``with`` block on an error waits for the work in progress
+    and skips the rest, so the caller can put back what was not processed.
+
+    ``pool``: the thread, kept by the caller from one refit to the next.
+    It must be the same thread each time: the memory the engine's
+    processing allocates (repacked weights) comes from that thread's malloc
+    arena, and a fresh thread would fault in fresh pages at every refit."""
+
+    def __init__(self, work: Callable[..., None], pool: cf.ThreadPoolExecutor) -> None:
+        self.work = work
+        self.pool = pool
+        self._pending: tuple[int, tuple] | None = None
+        self._future: cf.Future | None = None
+        self._running = False
+        self._lock = threading.Lock()
+        self._error: BaseException | None = None
+        self._stopped = False
+        self._enter = _thread_context()
+        self.busy_seconds = 0.0
+        """Time the applier's thread spent working."""
+
+    def __enter__(self) -> Applier:
+        return self
+
+    def __exit__(self, kind, value, tb) -> None:
+        if kind is not None:
+            self._stopped = True
+        self._wait()
+
+    def released(self, index: int, *args: Any) -> None:
+        if self._error is not None:
+            raise self._error
+        with self._lock:
+            self._pending = (index, args)
+            if not self._running:
+                self._running = True
+                self._future = self.pool.submit(self._run)
+
+    def drain(self) -> None:
+        self._wait()
+        if self._error is not None:
+            raise self._error
+
+    def _wait(self) -> None:
+        # Only the executor's thread releases work, and it is the one waiting.
+        while True:
+            with self._lock:
+                future, running = self._future, self._running
+            if future is None or (not running and future.done()):
+                if future is not None:
+                    future.result()
+                return
+            future.result()
+
+    def _run(self) -> None:
+        with self._enter():
+            while True:
+                with self._lock:
+                    item, self._pending = self._pending, None
+                    if item is None or self._stopped or self._error is not None:
+                        self._running = False
+                        return
+                t0 = time.perf_counter()
+                try:
+                    self.work(item[0], *item[1])
+                except BaseException as e:
+                    self._error = e
+                finally:
+                    self.busy_seconds += time.perf_counter() - t0
+
+
+def _thread_context() -> Callable[[], contextlib.AbstractContextManager]:
+    """What a thread needs to run engine code as the calling thread would:
+    torch keeps the grad mode, inference mode, default device, current CUDA
+    device and intra-op thread count (OpenMP's, which a new thread would
+    take from the number of cores) per thread."""
+    import torch
+
+    threads = torch.get_num_threads()
+    grad = torch.is_grad_enabled()
+    inference = torch.is_inference_mode_enabled()
+    default = torch.get_default_device()
+    cuda = torch.cuda.current_device() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+
+    @contextlib.contextmanager
+    def enter() -> Iterator[None]:
+        torch.set_num_threads(threads)
+        if cuda is not None:
+            torch.cuda.set_device(cuda)
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(torch.inference_mode() if inference else torch.set_grad_enabled(grad))
+            if default.type != "cpu":
+                stack.enter_context(default)
+            yield
+
+    return enter
 
 
 def _attr(modules: Mapping[str, Any], full: str):
