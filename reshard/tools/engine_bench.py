@@ -11,8 +11,11 @@ process is ready (a barrier) to the moment the engine generates again:
 - ``two_phase``: workers stage the refit while the engine could serve, then
   apply it (the paused part is the apply and the cache flush only);
 - ``gather_broadcast``: the baseline, through the same interface;
-- ``reload``: vLLM's own ``reload_weights(weights_path=...)`` from the
-  checkpoint on ``/dev/shm``, what a refit through shared memory costs;
+- ``gather_save_reload``: what a refit through files costs: the trainer
+  ranks gather every full tensor to rank 0 (FSDP2's ``full_tensor()``),
+  which saves them as safetensors to ``/dev/shm``, then vLLM's own
+  ``reload_weights(weights_path=...)`` loads them;
+- ``reload``: that reload alone, from a checkpoint already on ``/dev/shm``;
 - ``raw_p2p``: plain gloo sends of the same bytes, from the trainer ranks to
   one process per engine worker (as many bytes as each worker keeps): the
   wire's ceiling on this machine.
@@ -24,23 +27,26 @@ call, cache flush, the span generation was paused).
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import math
 import multiprocessing as mp
 import os
+import shutil
 import statistics
 import tempfile
 import time
 import traceback
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from reshard.testing.ports import free_port
 
-__all__ = ["METHODS", "format_result", "plot", "run_engine_bench"]
+__all__ = ["METHODS", "format_result", "plot", "run_engine_bench", "scratch"]
 
-METHODS = ("reshard", "two_phase", "gather_broadcast", "reload", "raw_p2p")
+METHODS = ("reshard", "two_phase", "gather_broadcast", "gather_save_reload", "reload", "raw_p2p")
 REFIT_METHODS = {"reshard": "reshard", "two_phase": "reshard", "gather_broadcast": "gather_broadcast"}
 """Methods that are refits (trainer ranks push), with the method they push."""
 
@@ -82,6 +88,22 @@ def barrier(store, step: int, parties: int) -> None:
     store.add(key, 1)
     while int(store.add(key, 0)) < parties:
         time.sleep(0.001)
+
+
+@contextlib.contextmanager
+def scratch(workdir: str | None, prefix: str) -> Iterator[Path]:
+    """A bench's working folder: ``workdir``, or a fresh folder in
+    ``/dev/shm`` (where one exists) removed afterwards: it holds checkpoints
+    of the model's size, and a tmpfs left full starves the next run."""
+    if workdir is not None:
+        yield Path(workdir)
+        return
+    base = "/dev/shm" if os.path.isdir("/dev/shm") else None
+    work = Path(tempfile.mkdtemp(prefix=prefix, dir=base))
+    try:
+        yield work
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
 
 
 def schedule(warmup: int, reps: int, methods: tuple[str, ...] = METHODS) -> list[tuple[int, str]]:
@@ -158,6 +180,10 @@ def trainer_rank(rank: int, cfg: dict[str, Any]) -> list[dict[str, Any]]:
                 refit += 1
                 st = sender.push(refit, method=REFIT_METHODS[method])
                 out.append({"step": step, "method": method, **st.as_dict()})
+            elif method == "gather_save_reload":
+                out.append({"step": step, "method": method, **gather_save(model, rank, cfg["gather_dir"])})
+                if rank == 0:
+                    store.set(f"bench/saved{step}", "1")
             elif method == "raw_p2p":
                 t0 = time.perf_counter()
                 works = [raw.send([b], world + w, 0) for w, b in enumerate(bufs) if b.numel()]
@@ -168,6 +194,28 @@ def trainer_rank(rank: int, cfg: dict[str, Any]) -> list[dict[str, Any]]:
         sender.close()
         dist.destroy_process_group()
     return out
+
+
+def gather_save(model, rank: int, directory: str) -> dict[str, float]:
+    """Every full tensor gathered to rank 0 (collective), which saves them as
+    one safetensors file in ``directory``: the files a reload then reads."""
+    from safetensors.torch import save_file
+    from torch.distributed.tensor import DTensor
+
+    from reshard.sender.pieces import default_rename
+
+    t0 = time.perf_counter()
+    full = {}
+    for name, p in model.named_parameters():
+        t = p.full_tensor() if isinstance(p, DTensor) else p
+        cname = default_rename(name)
+        if rank == 0 and cname is not None:
+            full[cname] = t.detach().contiguous()
+    t1 = time.perf_counter()
+    if rank == 0:
+        os.makedirs(directory, exist_ok=True)
+        save_file(full, os.path.join(directory, "model.safetensors"))
+    return {"gather_seconds": t1 - t0, "save_seconds": time.perf_counter() - t1, "seconds": time.perf_counter() - t0}
 
 
 def raw_sink(rank: int, cfg: dict[str, Any]) -> list[dict[str, Any]]:
@@ -218,86 +266,92 @@ def run_engine_bench(
     from reshard.testing.tiny import build_tiny_model
     from reshard.transport.group import GroupConfig
 
-    base = "/dev/shm" if os.path.isdir("/dev/shm") else None
-    work = Path(workdir or tempfile.mkdtemp(prefix="reshard-engine-bench-", dir=base))
-    cfg_model = model_config(size_mb, dtype)
-    say(f"building two {size_mb:.0f} MB {dtype} checkpoints in {work} ...")
-    engine_path = build_tiny_model(work / "v1", "qwen2", seed=0, **cfg_model)
-    trainer_path = build_tiny_model(work / "v2", "qwen2", seed=7, **cfg_model)
-    model_bytes = sum(f.stat().st_size for f in trainer_path.glob("*.safetensors"))
+    with scratch(workdir, "reshard-engine-bench-") as work:
+        cfg_model = model_config(size_mb, dtype)
+        say(f"building two {size_mb:.0f} MB {dtype} checkpoints in {work} ...")
+        engine_path = build_tiny_model(work / "v1", "qwen2", seed=0, **cfg_model)
+        trainer_path = build_tiny_model(work / "v2", "qwen2", seed=7, **cfg_model)
+        model_bytes = sum(f.stat().st_size for f in trainer_path.glob("*.safetensors"))
 
-    bench_address = f"127.0.0.1:{free_port()}"
-    refit_address = f"127.0.0.1:{free_port()}"
-    store = bench_store(bench_address, host=True)
-    cfg = {
-        "trainers": trainers,
-        "tp": tp,
-        "reps": reps,
-        "warmup": warmup,
-        "dtype": dtype,
-        "trainer_path": str(trainer_path),
-        "bench_address": bench_address,
-        "refit_address": refit_address,
-        "pg_port": free_port(),
-        "parties": 1 + trainers + tp,
-        "methods": methods,
-    }
-    say(f"starting vLLM (TP={tp}, CPU) ...")
-    llm = offline_llm(str(engine_path), tp, dtype=dtype)
-    torch.set_num_threads(1)
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    procs = [ctx.Process(target=entry, args=(trainer_rank, r, (cfg,), q), daemon=True) for r in range(trainers)]
-    procs += [ctx.Process(target=entry, args=(raw_sink, w, (cfg,), q), daemon=True) for w in range(tp)]
-    for p in procs:
-        p.start()
-    rows: list[dict[str, Any]] = []
-    tokens: dict[str, list] = {}
-    try:
-        group = GroupConfig(address=refit_address, num_sources=trainers, num_destinations=tp, timeout_s=600)
-        init = init_workers(llm, GroupSpec.of(group, with_token=True))
-        kept = [int(r.stats["kept_bytes"]) for r in init]
-        store.set("bench/kept", json.dumps(kept))
-        steps = schedule(warmup, reps, methods)
-        say(f"{len(steps)} timed steps ({warmup} warm-up round(s), then {reps}), methods alternating ...")
-        refit = 0
-        for step, (rep, method) in enumerate(steps):
-            barrier(store, step, 1 + trainers + tp)
-            row: dict[str, Any] = {"step": step, "rep": rep, "method": method, "warmup": rep < warmup}
-            t0 = time.perf_counter()
-            t_pause = t0
-            replies = []
-            if method in ("reshard", "gather_broadcast"):
-                refit += 1
-                replies = pull_workers(llm, refit, method=method)
-            elif method == "two_phase":
-                refit += 1
-                stage_workers(llm, refit)
-                t_pause = time.perf_counter()
-                replies = commit_workers(llm, refit)
-            elif method == "reload":
-                llm.collective_rpc(
-                    "reload_weights", kwargs={"weights_path": str(trainer_path), "is_checkpoint_format": True}
+        bench_address = f"127.0.0.1:{free_port()}"
+        refit_address = f"127.0.0.1:{free_port()}"
+        store = bench_store(bench_address, host=True)
+        cfg = {
+            "trainers": trainers,
+            "tp": tp,
+            "reps": reps,
+            "warmup": warmup,
+            "dtype": dtype,
+            "trainer_path": str(trainer_path),
+            "bench_address": bench_address,
+            "refit_address": refit_address,
+            "pg_port": free_port(),
+            "parties": 1 + trainers + tp,
+            "methods": methods,
+            "gather_dir": str(work / "gathered"),
+        }
+        say(f"starting vLLM (TP={tp}, CPU) ...")
+        llm = offline_llm(str(engine_path), tp, dtype=dtype)
+        torch.set_num_threads(1)
+        ctx = mp.get_context("spawn")
+        q = ctx.Queue()
+        procs = [ctx.Process(target=entry, args=(trainer_rank, r, (cfg,), q), daemon=True) for r in range(trainers)]
+        procs += [ctx.Process(target=entry, args=(raw_sink, w, (cfg,), q), daemon=True) for w in range(tp)]
+        for p in procs:
+            p.start()
+        rows: list[dict[str, Any]] = []
+        tokens: dict[str, list] = {}
+        try:
+            group = GroupConfig(address=refit_address, num_sources=trainers, num_destinations=tp, timeout_s=600)
+            init = init_workers(llm, GroupSpec.of(group, with_token=True))
+            kept = [int(r.stats["kept_bytes"]) for r in init]
+            store.set("bench/kept", json.dumps(kept))
+            steps = schedule(warmup, reps, methods)
+            say(f"{len(steps)} timed steps ({warmup} warm-up round(s), then {reps}), methods alternating ...")
+            refit = 0
+            for step, (rep, method) in enumerate(steps):
+                barrier(store, step, 1 + trainers + tp)
+                row: dict[str, Any] = {"step": step, "rep": rep, "method": method, "warmup": rep < warmup}
+                t0 = time.perf_counter()
+                t_pause = t0
+                replies = []
+                if method in ("reshard", "gather_broadcast"):
+                    refit += 1
+                    replies = pull_workers(llm, refit, method=method)
+                elif method == "two_phase":
+                    refit += 1
+                    stage_workers(llm, refit)
+                    t_pause = time.perf_counter()
+                    replies = commit_workers(llm, refit)
+                elif method == "gather_save_reload":
+                    store.wait([f"bench/saved{step}"])
+                    row["saved_seconds"] = time.perf_counter() - t0
+                    llm.collective_rpc(
+                        "reload_weights", kwargs={"weights_path": cfg["gather_dir"], "is_checkpoint_format": True}
+                    )
+                elif method == "reload":
+                    llm.collective_rpc(
+                        "reload_weights", kwargs={"weights_path": str(trainer_path), "is_checkpoint_format": True}
+                    )
+                t_flush = time.perf_counter()
+                if method != "raw_p2p":
+                    llm.reset_prefix_cache()
+                t_end = time.perf_counter()
+                row.update(
+                    seconds=t_end - t0,
+                    paused_seconds=(t_end - t_pause) if method != "raw_p2p" else 0.0,
+                    flush_seconds=t_end - t_flush,
+                    workers=[dict(r.stats) for r in replies],
                 )
-            t_flush = time.perf_counter()
-            if method != "raw_p2p":
-                llm.reset_prefix_cache()
-            t_end = time.perf_counter()
-            row.update(
-                seconds=t_end - t0,
-                paused_seconds=(t_end - t_pause) if method != "raw_p2p" else 0.0,
-                flush_seconds=t_end - t_flush,
-                workers=[dict(r.stats) for r in replies],
-            )
-            rows.append(row)
-            if rep == warmup + reps - 1 and method != "raw_p2p":
-                tokens[method] = greedy(llm)
-        results = collect(q, procs, timeout=600)
-    finally:
-        join_all(procs)
-        shutdown(llm)
-    merge_ranks(rows, results)
-    return summarize(rows, tokens, kept, model_bytes, size_mb, tp, trainers, dtype, reps, warmup, names=methods)
+                rows.append(row)
+                if rep == warmup + reps - 1 and method != "raw_p2p":
+                    tokens[method] = greedy(llm)
+            results = collect(q, procs, timeout=600)
+        finally:
+            join_all(procs)
+            shutdown(llm)
+        merge_ranks(rows, results)
+        return summarize(rows, tokens, kept, model_bytes, size_mb, tp, trainers, dtype, reps, warmup, names=methods)
 
 
 def join_all(procs) -> None:
@@ -371,12 +425,22 @@ def summarize(
         if m in REFIT_METHODS:
             entry["bytes_received"] = [w["bytes_received"] for w in timed[-1]["workers"]]
             entry["timeline"] = _timeline(timed)
+        if m == "gather_save_reload":
+            entry["steps"] = {
+                "gather": statistics.median(max(t["gather_seconds"] for t in r["trainers"]) for r in timed),
+                "save": statistics.median(max(t["save_seconds"] for t in r["trainers"]) for r in timed),
+                "reload": statistics.median(r["seconds"] - r["saved_seconds"] for r in timed),
+            }
         methods[m] = entry
     rs = methods["reshard"]
     ratios = {}
     if "raw_p2p" in methods:
         ratios["reshard_vs_raw_throughput"] = methods["raw_p2p"]["seconds_median"] / rs["seconds_median"]
-    for m, key in (("reload", "reload_over_reshard"), ("gather_broadcast", "gather_broadcast_over_reshard")):
+    for m, key in (
+        ("reload", "reload_over_reshard"),
+        ("gather_broadcast", "gather_broadcast_over_reshard"),
+        ("gather_save_reload", "gather_save_reload_over_reshard"),
+    ):
         if m in methods:
             ratios[key] = methods[m]["seconds_median"] / rs["seconds_median"]
     if "two_phase" in methods:
@@ -470,6 +534,8 @@ def format_result(res: dict[str, Any]) -> str:
             if tl.get("worker_stage"):
                 detail += f", staged in {tl['worker_stage']:.3f}"
             details.append(_detail(name, tl))
+        if steps := m.get("steps"):
+            detail = ", ".join(f"{k} {v:.3f}" for k, v in steps.items())
         paused = f"{m['paused_median']:>10.3f}" if name != "raw_p2p" else f"{'-':>10}"
         lines.append(f"{name:<18}{m['seconds_median']:>10.3f}{m['gb_per_s']:>8.2f}{paused}   {detail}")
     lines += details
@@ -479,8 +545,10 @@ def format_result(res: dict[str, Any]) -> str:
         parts.append(f"reshard at {r['reshard_vs_raw_throughput']:.2f}x raw point-to-point throughput")
     if "gather_broadcast_over_reshard" in r:
         parts.append(f"gather-and-broadcast takes {r['gather_broadcast_over_reshard']:.2f}x reshard's time")
+    if "gather_save_reload_over_reshard" in r:
+        parts.append(f"gather + save + reload {r['gather_save_reload_over_reshard']:.2f}x")
     if "reload_over_reshard" in r:
-        parts.append(f"a /dev/shm reload {r['reload_over_reshard']:.2f}x")
+        parts.append(f"a /dev/shm reload alone {r['reload_over_reshard']:.2f}x")
     summary = ", ".join(parts)
     if "two_phase_paused_fraction" in r:
         summary += (
