@@ -78,7 +78,7 @@ def test_the_applier_works_on_one_thread_for_the_newest_round_and_drains():
     import concurrent.futures as cf
     import threading
 
-    from reshard.adapters.vllm.update import Applier
+    from reshard.adapters.vllm.applier import Applier
 
     pool = cf.ThreadPoolExecutor(1)
     started, gate = threading.Event(), threading.Event()
@@ -120,7 +120,7 @@ def test_the_appliers_error_fails_the_drain_and_an_error_stops_it():
 
     import pytest
 
-    from reshard.adapters.vllm.update import Applier
+    from reshard.adapters.vllm.applier import Applier
 
     pool = cf.ThreadPoolExecutor(1)
     try:

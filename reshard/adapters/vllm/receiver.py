@@ -39,12 +39,14 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from reshard.adapters.core.recording import LearnedLayout
+from reshard.adapters.vllm.applier import Applier, idle_priority
+from reshard.adapters.vllm.direct import direct_layers
 from reshard.adapters.vllm.layout import learn_layout
 from reshard.adapters.vllm.lifecycle import (
     followers,
     released_kernels_adopted,
 )
-from reshard.adapters.vllm.update import Applier, LayerwiseUpdate, WorkerModel
+from reshard.adapters.vllm.update import LayerwiseUpdate, WorkerModel
 from reshard.errors import MixedWeightsError, ReshardError
 from reshard.plan.layout import TensorMeta
 from reshard.plan.specs import build_layout
@@ -172,6 +174,10 @@ class VllmReceiver:
             )
         self.layout = build_layout(rank, self.learned.pieces)
         modules = dict(model.named_modules())
+        self._cpu = str(device).split(":")[0] == "cpu"
+        self._buffers: dict[str, torch.Tensor] | None = None
+        with vllm_context(vllm_config):
+            direct = direct_layers(modules, self.learned, self.learned.whole())
         if config.pg_env is None:
             config = dataclasses.replace(config, pg_env=vllm_pg_env())
         self.worker = WorkerModel(
@@ -182,6 +188,10 @@ class VllmReceiver:
             delta=config.delta,
             modules=modules,
             followers=tuple(followers(modules, set(self.learned.layers))),
+            direct=direct,
+            # On CPU, layers are materialized in the staging buffers (see WorkerModel.pool);
+            # with deltas those are the base the next delta patches: never processed in place.
+            pool=self._staging_buffers() if self._cpu and not config.delta else None,
         )
         self.rank = rank
         self.receiver = Receiver(
@@ -196,10 +206,12 @@ class VllmReceiver:
             private_base=True,
         )
         self.last_stats: dict[str, Any] = {}
-        # Layers are processed on this thread while later rounds arrive (see Applier).
-        self._apply_pool = cf.ThreadPoolExecutor(1, thread_name_prefix="reshard-apply")
+        # Layers are processed on this thread while later rounds arrive (see
+        # Applier); on CPU it yields to the receive (see idle_priority).
+        self._apply_pool = cf.ThreadPoolExecutor(
+            1, thread_name_prefix="reshard-apply", initializer=idle_priority if self._cpu else None
+        )
         self._staging: _Staging | None = None
-        self._buffers: dict[str, torch.Tensor] | None = None
 
     @property
     def kept_bytes(self) -> int:
@@ -244,6 +256,8 @@ class VllmReceiver:
             "refit_seconds": time.perf_counter() - t0,
             "kept_bytes": self.kept_bytes,
             "layers_processed": update.n_processed,
+            "layers_direct": update.n_direct,
+            "buffers_kept_by_engine": update.n_released,
             "lifecycle_seconds": dict(update.seconds),
             "loader_tensors": update.n_loaded,
             "atomic": atomic,
@@ -304,6 +318,8 @@ class VllmReceiver:
             "kept_bytes": self.kept_bytes,
             "staging_bytes": self.staging_bytes,
             "layers_processed": update.n_processed,
+            "layers_direct": update.n_direct,
+            "buffers_kept_by_engine": update.n_released,
             "lifecycle_seconds": dict(update.seconds),
             "layers_skipped": len(update.skipped),
             "loader_tensors": update.n_loaded,
@@ -425,6 +441,8 @@ class VllmReceiver:
             "kept_bytes": self.kept_bytes,
             "staging_bytes": self.staging_bytes,
             "layers_processed": update.n_processed,
+            "layers_direct": update.n_direct,
+            "buffers_kept_by_engine": update.n_released,
             "lifecycle_seconds": dict(update.seconds),
             "loader_tensors": update.n_loaded,
             "layers_skipped": len(update.skipped),

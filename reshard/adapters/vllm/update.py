@@ -8,32 +8,40 @@ weights of every layer not yet processed.
 
 from __future__ import annotations
 
-import concurrent.futures as cf
-import contextlib
-import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from reshard.adapters.core.recording import LOADER_PREFIX, LearnedLayout
-from reshard.adapters.vllm.lifecycle import repack_cpu_experts, reprocess, restore_unprocessed
+from reshard.adapters.vllm.direct import process_live
+from reshard.adapters.vllm.lifecycle import (
+    keep_live,
+    materialize_into,
+    release_held,
+    repack_cpu_experts,
+    reprocess,
+    restore_unprocessed,
+)
 from reshard.errors import MixedWeightsError, ReshardError
 from reshard.plan.items import RankPlan
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["STEPS", "Applier", "LayerwiseUpdate", "WorkerModel"]
+__all__ = ["STEPS", "LayerwiseUpdate", "WorkerModel"]
 
 STEPS = {
-    "begin": "initialize_layerwise_reload: every layer's parameters put on the meta device, live tensors kept aside",
+    "begin": "initialize_layerwise_reload: every layer's parameters put on the meta device, live tensors kept aside "
+    "(direct layers keep theirs)",
+    "backup": "old values of live tensors a refit writes in place copied aside (put back if it fails)",
     "materialize": "layers given fresh parameters of their checkpoint-loading shapes (old values kept of live ones)",
     "zero": "materialized parameters zeroed where the checkpoint leaves padding",
     "load": "staging buffers copied into materialized parameters (two-phase and delta refits)",
     "loaders": "loader tensors run through vLLM's own loaders",
-    "process": "process_weights_after_loading: repacking, quantization (and CPU MoE experts packed again)",
+    "process": "process_weights_after_loading: repacking, quantization (and CPU MoE experts packed again); "
+    "for direct layers, run on the live layer",
     "copy_back": "processed values copied into the live tensors the engine reads",
     "finalize": "finalize_layerwise_reload: attention layers, untouched layers put back",
     "followers": "modules that share a tensor with an updated one processed again (a tied lm_head)",
@@ -65,12 +73,34 @@ class WorkerModel:
     whole: frozenset[str] = frozenset()
     """Parameters the pieces tile exactly (:meth:`LearnedLayout.whole`):
     a refit writes every element, so they are never zeroed first."""
+    direct: frozenset[str] = frozenset()
+    """Layers (module names) whose bytes land in their live tensors, outside
+    vLLM's lifecycle (:func:`reshard.adapters.vllm.direct.direct_layers`)."""
+    pool: dict[str, torch.Tensor] | None = None
+    """Where layers are materialized (parameter name -> a tensor of its
+    checkpoint-loading shape, kept from one refit to the next: the
+    receiver's staging buffers), or ``None``: fresh tensors each refit, as
+    vLLM's own reload does. On CPU a fresh tensor is fresh pages, and the
+    receive that first writes them pays a page fault per 4 KiB."""
+    backups: dict[str, torch.Tensor] = field(default_factory=dict)
+    """Where the old values of live tensors written in place are kept during
+    a refit (kept from one refit to the next: no fresh pages each time)."""
 
     def __post_init__(self) -> None:
         if not self.modules:
             object.__setattr__(self, "modules", dict(self.model.named_modules()))
         if not self.whole:
             object.__setattr__(self, "whole", self.learned.whole())
+
+    def backup(self, local: str, live: torch.Tensor) -> torch.Tensor:
+        """A copy of ``live``'s values, in the buffer kept for ``local``."""
+        import torch
+
+        buf = self.backups.get(local)
+        if buf is None or buf.shape != live.shape or buf.dtype != live.dtype or buf.device != live.device:
+            buf = self.backups[local] = torch.empty_like(live, memory_format=torch.contiguous_format)
+        buf.copy_(live)
+        return buf
 
     def loader_buffer(self, local: str) -> torch.Tensor:
         """The buffer loader tensor ``local`` is received into: the
@@ -91,7 +121,10 @@ class _Layer:
     module: Any
     params: list[str]
     release_round: int = -1
+    direct: bool = False
+    """Written in place (see :attr:`WorkerModel.direct`)."""
     materialized: bool = False
+    """Materialized, or for a direct layer, first written."""
     processed: bool = False
 
 
@@ -109,7 +142,7 @@ class LayerwiseUpdate:
         self.layers: dict[str, _Layer] = {}
         self.layer_of: dict[str, _Layer] = {}
         for mod_name, params in owner.learned.layers.items():
-            layer = _Layer(mod_name, owner.modules[mod_name], params)
+            layer = _Layer(mod_name, owner.modules[mod_name], params, direct=mod_name in owner.direct)
             self.layers[mod_name] = layer
             for p in params:
                 self.layer_of[p] = layer
@@ -122,6 +155,10 @@ class LayerwiseUpdate:
         """Old values of live tensors written in place (see :meth:`param`)."""
         self.process_seconds = 0.0
         self.n_processed = 0
+        self.n_direct = 0
+        self.n_released = 0
+        """Pool buffers the engine kept (see :func:`release_held`)."""
+        """Layers whose bytes landed in their live tensors."""
         self.skipped: set[str] = set()
         """Layers :meth:`load_from` left alone (nothing of theirs changed)."""
         self.seconds: dict[str, float] = {}
@@ -139,6 +176,9 @@ class LayerwiseUpdate:
         t0 = time.perf_counter()
         self.release(plan)
         layerwise.initialize_layerwise_reload(self.owner.model)
+        for layer in self.layers.values():
+            if layer.direct:
+                keep_live(layer.module)
         self.started = True
         self._tick("begin", t0)
 
@@ -190,12 +230,26 @@ class LayerwiseUpdate:
             raise KeyError(f"engine rank {self.owner.rank}: {local!r} is not a parameter this worker learned")
         if layer.processed:
             raise ReshardError(f"{local!r} written after its layer {layer.name!r} was processed")
+        if layer.direct and not layer.materialized:
+            # Bytes land where the engine reads them; the old values are kept
+            # aside to put back if the refit fails before the layer is done.
+            t0 = time.perf_counter()
+            with torch.no_grad():
+                for p in layer.params:
+                    self.live[p] = self.owner.backup(p, _attr(self.owner.modules, p))
+            self._tick("backup", t0)
+            layer.materialized = True
+            self.n_direct += 1
         if not layer.materialized:
             t0 = time.perf_counter()
             modules = self.owner.modules
             before = {p: _attr(modules, p) for p in layer.params}
             info = layerwise.LAYERWISE_INFO[layer.module]
-            layerwise.materialize_layer(layer.module, info)
+            pool = self.owner.pool
+            if pool is None:
+                layerwise.materialize_layer(layer.module, info)
+            else:
+                materialize_into(layer.module, info, layer.name, pool)
             fresh = []
             with torch.no_grad():
                 for p in layer.params:
@@ -207,7 +261,7 @@ class LayerwiseUpdate:
                         # serving tensor itself, so keep its old values to
                         # put back if the refit fails before the layer is
                         # processed.
-                        self.live[p] = t.detach().clone()
+                        self.live[p] = self.owner.backup(p, t)
                     if zero and p not in self.owner.whole:
                         fresh.append(t)
                 t0 = self._tick("materialize", t0)
@@ -282,7 +336,7 @@ class LayerwiseUpdate:
         for p in layer.params:
             dst = self.param(p, zero=not full)
             src = buffers.get(p)
-            if src is not None:
+            if src is not None and not _same(src, dst):
                 t0 = time.perf_counter()
                 dst.copy_(src)
                 self._tick("load", t0)
@@ -328,6 +382,13 @@ class LayerwiseUpdate:
         from vllm.model_executor.model_loader.reload import layerwise
 
         t0 = time.perf_counter()
+        if layer.direct:
+            process_live(layer.module)
+            layer.processed = True
+            self.n_processed += 1
+            self.process_seconds += time.perf_counter() - t0
+            self._tick("process", t0)
+            return
         copied = self.seconds.get("copy_back", 0.0)
         info = layerwise.LAYERWISE_INFO[layer.module]
         layerwise._layerwise_process(layer.module, info)
@@ -361,6 +422,7 @@ class LayerwiseUpdate:
             for name in self.owner.followers:
                 reprocess(self.owner.modules[name])
             self._tick("followers", t0)
+        self._release_pool()
         if missing:
             raise MixedWeightsError(
                 "apply",
@@ -370,6 +432,15 @@ class LayerwiseUpdate:
                 },
                 version=self.refit,
             )
+
+    def _release_pool(self) -> None:
+        """Once the engine is out of the lifecycle (every layer it processed
+        has its live tensors back): pool buffers it still holds are its own
+        from now on (:func:`release_held`)."""
+        if self.owner.pool is not None:
+            layers = [layer for layer in self.layers.values() if layer.materialized and not layer.direct]
+            names = [p for layer in layers for p in layer.params]
+            self.n_released += release_held(self.owner.pool, names)
 
     def abort(self, error: BaseException) -> None:
         """A refit failed: put back the old weights of every layer not yet
@@ -385,6 +456,7 @@ class LayerwiseUpdate:
                     _attr(self.owner.modules, name).copy_(old)
         restore_unprocessed(self.owner.model)
         self.started = False
+        self._release_pool()
         done = sum(1 for layer in self.layers.values() if layer.processed)
         if done:
             # Some layers already carry the new weights: say so loudly.
@@ -398,113 +470,9 @@ class LayerwiseUpdate:
             ) from error
 
 
-class Applier:
-    """Runs a refit's per-round engine work (processing the layers whose last
-    round landed) on a thread of its own, so the executor's thread goes
-    straight back to the wire instead of holding up the next receive.
-
-    ``released(i, *args)`` is the executor's ``after_round`` (``args`` are
-    taken on its thread, e.g. a snapshot of the tensors that changed);
-    ``work(i, *args)`` runs on the applier's thread (work for round ``i``
-    covers every earlier round, so rounds released while it was busy are
-    folded into the newest). ``drain()`` (the executor's
-    ``after_transfer``) waits for the work to finish and raises its error;
-    leaving the ``with`` block on an error waits for the work in progress
-    and skips the rest, so the caller can put back what was not processed.
-
-    ``pool``: the thread, kept by the caller from one refit to the next.
-    It must be the same thread each time: the memory the engine's
-    processing allocates (repacked weights) comes from that thread's malloc
-    arena, and a fresh thread would fault in fresh pages at every refit."""
-
-    def __init__(self, work: Callable[..., None], pool: cf.ThreadPoolExecutor) -> None:
-        self.work = work
-        self.pool = pool
-        self._pending: tuple[int, tuple] | None = None
-        self._future: cf.Future | None = None
-        self._running = False
-        self._lock = threading.Lock()
-        self._error: BaseException | None = None
-        self._stopped = False
-        self._enter = _thread_context()
-        self.busy_seconds = 0.0
-        """Time the applier's thread spent working."""
-
-    def __enter__(self) -> Applier:
-        return self
-
-    def __exit__(self, kind, value, tb) -> None:
-        if kind is not None:
-            self._stopped = True
-        self._wait()
-
-    def released(self, index: int, *args: Any) -> None:
-        if self._error is not None:
-            raise self._error
-        with self._lock:
-            self._pending = (index, args)
-            if not self._running:
-                self._running = True
-                self._future = self.pool.submit(self._run)
-
-    def drain(self) -> None:
-        self._wait()
-        if self._error is not None:
-            raise self._error
-
-    def _wait(self) -> None:
-        # Only the executor's thread releases work, and it is the one waiting.
-        while True:
-            with self._lock:
-                future, running = self._future, self._running
-            if future is None or (not running and future.done()):
-                if future is not None:
-                    future.result()
-                return
-            future.result()
-
-    def _run(self) -> None:
-        with self._enter():
-            while True:
-                with self._lock:
-                    item, self._pending = self._pending, None
-                    if item is None or self._stopped or self._error is not None:
-                        self._running = False
-                        return
-                t0 = time.perf_counter()
-                try:
-                    self.work(item[0], *item[1])
-                except BaseException as e:
-                    self._error = e
-                finally:
-                    self.busy_seconds += time.perf_counter() - t0
-
-
-def _thread_context() -> Callable[[], contextlib.AbstractContextManager]:
-    """What a thread needs to run engine code as the calling thread would:
-    torch keeps the grad mode, inference mode, default device, current CUDA
-    device and intra-op thread count (OpenMP's, which a new thread would
-    take from the number of cores) per thread."""
-    import torch
-
-    threads = torch.get_num_threads()
-    grad = torch.is_grad_enabled()
-    inference = torch.is_inference_mode_enabled()
-    default = torch.get_default_device()
-    cuda = torch.cuda.current_device() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
-
-    @contextlib.contextmanager
-    def enter() -> Iterator[None]:
-        torch.set_num_threads(threads)
-        if cuda is not None:
-            torch.cuda.set_device(cuda)
-        with contextlib.ExitStack() as stack:
-            stack.enter_context(torch.inference_mode() if inference else torch.set_grad_enabled(grad))
-            if default.type != "cpu":
-                stack.enter_context(default)
-            yield
-
-    return enter
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` and ``b`` are the same elements of the same memory."""
+    return a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride() and a.dtype == b.dtype
 
 
 def _attr(modules: Mapping[str, Any], full: str):
