@@ -21,7 +21,10 @@ The choice is made per layer from what this engine did, never from a table
    tensor has the checkpoint-loading shape and dtype, contiguous (a linear
    layer whose weight was released after packing, an fp8 weight, a padded
    vocabulary all fail here);
-3. it is not an attention layer vLLM processes at the end;
+3. it is not an attention layer vLLM processes at the end, and no
+   correction of reshard's applies to it (CPU MoE experts, packed again by
+   :func:`reshard.adapters.vllm.lifecycle.repack_cpu_experts`, not by their
+   ``quant_method``);
 4. if it has a ``quant_method``: its processing, run once at start-up on a
    copy of the layer (clones of its tensors, never the live ones), leaves
    every tensor the same object with the same bytes. Processing that
@@ -34,6 +37,8 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
+
+from reshard.adapters.vllm.lifecycle import has_cpu_experts
 
 if TYPE_CHECKING:
     import torch
@@ -55,7 +60,7 @@ def direct_layers(modules: Mapping[str, Any], learned: LearnedLayout, whole: fro
     out = set()
     for name, params in learned.layers.items():
         module = modules[name]
-        if is_deferred_attention_layer(module):
+        if is_deferred_attention_layer(module) or has_cpu_experts(module):
             continue
         if any(p not in whole or p in loader for p in params):
             continue

@@ -34,6 +34,7 @@ if TYPE_CHECKING:
 __all__ = [
     "adopt_released_kernels",
     "followers",
+    "has_cpu_experts",
     "keep_live",
     "materialize_into",
     "release_held",
@@ -153,14 +154,26 @@ def repack_cpu_experts(module) -> None:
     layout only on the first load; on a weight update it copies the
     checkpoint-layout weights over the packed ones, and its own reload then
     serves garbage. Pack again, as the first load does."""
+    experts = _cpu_experts(module)
+    if experts is not None:
+        experts.process_weights_after_loading(module)
+
+
+def has_cpu_experts(module) -> bool:
+    """Whether :func:`repack_cpu_experts` packs ``module``'s experts again."""
+    return _cpu_experts(module) is not None
+
+
+def _cpu_experts(module):
     from vllm.platforms import current_platform
 
     if not current_platform.is_cpu():
-        return
+        return None
     kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
     experts = getattr(kernel, "fused_experts", None)
     if experts is not None and type(experts).__module__.endswith("cpu_moe"):
-        experts.process_weights_after_loading(module)
+        return experts
+    return None
 
 
 def materialize_into(layer: torch.nn.Module, info: Any, prefix: str, pool: dict[str, torch.Tensor]) -> None:
