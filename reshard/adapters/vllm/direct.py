@@ -116,11 +116,12 @@ def _processing_keeps(module: Any) -> bool:
     are clones (the live module and its tensors are not touched)."""
     import torch
 
-    shadow = type(module).__new__(type(module))
+    cls: Any = type(module)
+    shadow = cls.__new__(cls)
     shadow.__dict__.update(module.__dict__)
     clones: dict[str, torch.Tensor] = {}
     for table in ("_parameters", "_buffers"):
-        fresh = {}
+        fresh: dict[str, torch.Tensor | None] = {}
         for k, t in getattr(module, table).items():
             if t is None:
                 fresh[k] = t
