@@ -36,6 +36,9 @@ def _engine_rows(methods: tuple[str, ...], reps: int) -> list[dict]:
             workers = [{"bytes_received": 100, "plan_seconds": 0.01, "seconds": secs / 2, "apply_seconds": 0.1}]
             row = {"step": len(rows), "rep": rep, "method": m, "warmup": rep == 0, "seconds": secs}
             row.update(paused_seconds=secs / 4 if m == "two_phase" else secs, flush_seconds=0.0, workers=workers)
+            if m == "gather_save_reload":
+                # The driver waits for rank 0's file, then reloads it.
+                row.update(saved_seconds=secs / 2, trainers=[{"gather_seconds": secs / 4, "save_seconds": secs / 4}])
             rows.append(row)
     return rows
 
@@ -55,7 +58,9 @@ def test_engine_bench_summaries_for_both_engines():
         assert res["ratios"]["reshard_vs_raw_throughput"] == 0.5 / 3.0
         assert all(res["tokens_match_reload"].values())
         text = engine_bench.format_result(res)
-        assert "reshard at 0.17x raw point-to-point throughput" in text
+        assert "the whole refit at 0.17x" in text
+        if "gather_save_reload" in methods:
+            assert res["method"]["gather_save_reload"]["steps"] == {"gather": 0.75, "save": 0.75, "reload": 1.5}
         assert ("two-phase pauses generation for 25% of its refit" in text) == ("two_phase" in methods)
 
 

@@ -127,3 +127,32 @@ def test_live_parameters_written_again_are_refused():
 def test_a_parameter_set_from_values_no_checkpoint_tensor_determines_is_refused(strict):
     learned = _learn(constant, strict=strict, live=strict)
     assert any("b.weight: written from" in p and "no checkpoint tensor determines" in p for p in learned.problems())
+
+
+def _halves(param, name, w):
+    # Two copies that tile the parameter (a fused projection's two halves).
+    if name == "a.weight":
+        param.narrow(0, 0, ROWS // 2).copy_(w.narrow(0, 0, ROWS // 2))
+        param.narrow(0, ROWS // 2, ROWS // 2).copy_(w.narrow(0, ROWS // 2, ROWS // 2))
+    else:
+        param.narrow(0, 0, 2).copy_(w.narrow(0, 0, 2))
+
+
+def _twice(param, name, w):
+    # The same rows written twice, the last row never: the sizes add up, the boxes do not tile.
+    if name == "a.weight":
+        param.narrow(0, 0, ROWS // 2).copy_(w.narrow(0, 0, ROWS // 2))
+        param.narrow(0, 1, ROWS // 2).copy_(w.narrow(0, 1, ROWS // 2))
+        param.narrow(0, ROWS // 2, ROWS // 2 - 1).copy_(w.narrow(0, ROWS // 2, ROWS // 2 - 1))
+    else:
+        param.copy_(w)
+
+
+def test_parameters_the_pieces_tile_need_no_zeroing():
+    """A refit skips zeroing only the parameters every element of which some
+    piece writes exactly once; padding, overlaps and loader tensors keep it."""
+    assert _learn(_halves, strict=False).whole() == {"a.weight"}
+    assert _learn(plain, strict=False).whole() == {"a.weight", "b.weight"}
+    assert _learn(_twice, strict=False).whole() == {"b.weight"}
+    # A parameter a loader tensor writes is the loader's to fill.
+    assert _learn(scaled_after, strict=False).whole() == {"a.weight"}

@@ -69,3 +69,83 @@ def test_loader_buffers_have_the_checkpoint_shape_and_are_kept():
     assert worker.loader_buffer(LOADER_PREFIX + "c.norm") is buf
     # A second refit of the same worker reads the same buffer.
     assert LayerwiseUpdate(worker, refit=2).owner.loader_buffer(LOADER_PREFIX + "c.norm") is buf
+
+
+def test_the_applier_works_on_one_thread_for_the_newest_round_and_drains():
+    """Rounds released while the applier is busy fold into the newest (work
+    for round i covers the earlier ones), all on the pool's one thread, with
+    the caller's intra-op threads and grad mode; drain waits for the last."""
+    import concurrent.futures as cf
+    import threading
+
+    from reshard.adapters.vllm.applier import Applier
+
+    pool = cf.ThreadPoolExecutor(1)
+    started, gate = threading.Event(), threading.Event()
+    seen: list[tuple[int, str, int, bool]] = []
+
+    def work(i: int, tag: str) -> None:
+        if i == 0:
+            started.set()
+            gate.wait(5)
+        seen.append((i, threading.current_thread().name, torch.get_num_threads(), torch.is_grad_enabled()))
+
+    threads = torch.get_num_threads()
+    try:
+        with torch.no_grad():
+            applier = Applier(work, pool)
+            with applier:
+                applier.released(0, "a")
+                assert started.wait(5)
+                applier.released(1, "b")
+                applier.released(2, "c")
+                gate.set()
+                applier.drain()
+        assert [s[0] for s in seen] == [0, 2]
+        assert len({s[1] for s in seen}) == 1 and seen[0][1] != threading.current_thread().name
+        assert all(s[2] == threads and s[3] is False for s in seen)
+        # The next refit's applier runs on the same thread (its malloc arena keeps the memory).
+        again: list[str] = []
+        with Applier(lambda i: again.append(threading.current_thread().name), pool) as applier:
+            applier.released(0)
+            applier.drain()
+        assert again == [seen[0][1]]
+    finally:
+        pool.shutdown()
+
+
+def test_the_appliers_error_fails_the_drain_and_an_error_stops_it():
+    import concurrent.futures as cf
+    import threading
+
+    import pytest
+
+    from reshard.adapters.vllm.applier import Applier
+
+    pool = cf.ThreadPoolExecutor(1)
+    try:
+
+        def broken(i: int) -> None:
+            raise RuntimeError(f"processing round {i} failed")
+
+        with pytest.raises(RuntimeError, match="round 4 failed"), Applier(broken, pool) as applier:
+            applier.released(4)
+            applier.drain()
+
+        # A transfer error leaves the block: work in progress ends, nothing queued runs.
+        started, gate, ran = threading.Event(), threading.Event(), []
+
+        def slow(i: int) -> None:
+            started.set()
+            gate.wait(5)
+            ran.append(i)
+
+        with pytest.raises(KeyError), Applier(slow, pool) as applier:
+            applier.released(0)
+            assert started.wait(5)
+            applier.released(1)
+            gate.set()
+            raise KeyError("the transfer failed")
+        assert ran == [0]
+    finally:
+        pool.shutdown()

@@ -167,3 +167,47 @@ def test_the_extension_refreshes_what_vllms_own_finish_refreshes(call):
     reply = getattr(worker, call)("5")
     assert not reply["ok"] and "the transfer failed" in reply["error"]
     assert worker.model_runner.resets == 1
+
+
+def test_a_refit_waits_for_an_offline_engines_replies_asleep():
+    """vLLM's executor spins (``sched_yield``) for a second after each reply
+    it reads; for ``reshard_pull`` and ``reshard_commit`` the driver makes it
+    wait on its workers' notification instead, and puts the spin back after.
+    The attributes it sets are vLLM's own: checked on its classes."""
+    import inspect
+    from types import SimpleNamespace
+
+    from vllm.distributed.device_communicators.shm_broadcast import MessageQueue, SpinCondition
+    from vllm.v1.engine.core_client import InprocClient
+    from vllm.v1.executor.multiproc_executor import MultiprocExecutor
+
+    from reshard.adapters.vllm.driver import commit_workers, pull_workers, stage_workers
+
+    assert "busy_loop_s" in inspect.getsource(SpinCondition.wait)
+    assert "self._spin_condition" in inspect.getsource(MessageQueue)
+    assert "self.response_mqs" in inspect.getsource(MultiprocExecutor)
+    assert "self.engine_core = EngineCore(" in inspect.getsource(InprocClient)
+
+    conds = [SimpleNamespace(busy_loop_s=1), SimpleNamespace(busy_loop_s=1)]
+    seen: list[tuple[str, list]] = []
+
+    def collective_rpc(method, args=()):
+        seen.append((method, [c.busy_loop_s for c in conds]))
+        stats = {"staged": True}
+        return [{"ok": True, "rank": 2 + i, "stats": stats} for i in range(len(conds))]
+
+    executor = SimpleNamespace(response_mqs=[SimpleNamespace(_spin_condition=c) for c in conds])
+    llm = SimpleNamespace(
+        llm_engine=SimpleNamespace(engine_core=SimpleNamespace(engine_core=SimpleNamespace(model_executor=executor))),
+        collective_rpc=collective_rpc,
+    )
+    pull_workers(llm, 1)
+    stage_workers(llm, 2)
+    commit_workers(llm, 2)
+    assert seen == [
+        ("reshard_pull", [0, 0]),
+        ("reshard_stage", [1, 1]),
+        ("reshard_staged", [1, 1]),
+        ("reshard_commit", [0, 0]),
+    ]
+    assert [c.busy_loop_s for c in conds] == [1, 1]

@@ -175,3 +175,17 @@ def test_two_phase_stats_say_what_was_staged(staged):
         # zeroed padding no piece writes (vocabulary padding).
         assert stats["staging_bytes"] >= stats["kept_bytes"]
     assert sum(t["sent"] for t in r["trainers"]) == sum(s["bytes_received"] for s in r["stats"])
+
+
+def test_layers_that_serve_their_checkpoint_tensors_take_the_bytes_in_place(run):
+    """A layer whose live tensors are its checkpoint-loading tensors and
+    whose processing leaves them as they are (every plain RMSNorm, such as
+    the final norm of these architectures) takes its bytes in place, outside
+    vLLM's lifecycle (``reshard.adapters.vllm.direct``); the state checks
+    above hold with it. On CPU the other layers are materialized in buffers
+    kept across refits, which the engine keeps none of after processing."""
+    if run["kind"] not in ("qwen2", "llama", "qwen3", "mistral"):
+        pytest.skip("the rule is checked where a plain layer is known to exist")
+    for stats in run["refit"]["stats"]:
+        assert stats["layers_direct"] >= 1, stats
+        assert stats["buffers_kept_by_engine"] == 0, stats

@@ -105,6 +105,7 @@ class CaptureExtension(ReshardWorkerExtension):
             return _orig(layer, info)
 
         layerwise._copy_and_restore_kernel_tensors = copy_and_restore
+        self._grab = grab
 
     def capture_end(self) -> dict[str, str]:
         from vllm.model_executor.model_loader.reload import layerwise
@@ -112,6 +113,16 @@ class CaptureExtension(ReshardWorkerExtension):
         layerwise._copy_and_restore_kernel_tensors = self._orig_copy
         for qm, orig in self._patched_qm:
             qm.process_weights_after_loading = orig
+        # Layers a reshard refit writes in place (reshard.adapters.vllm.direct)
+        # pass through neither hook when they have no processing: their live
+        # tensors hold exactly what landed. (After vLLM's own reload they were
+        # captured on the way already.)
+        receiver = getattr(self, "_reshard", None)
+        if receiver is not None:
+            for name in receiver.worker.direct:
+                before = dict(self._captured)
+                self._grab(receiver.worker.modules[name])
+                self._captured.update(before)
         return dict(self._captured)
 
     def learned_pieces(self) -> list[tuple]:

@@ -103,6 +103,7 @@ class Receiver:
         after_round: Callable[[int], None] | None = None,
         before_transfer: Callable[[RankPlan], None] | None = None,
         touched: set[str] | None = None,
+        after_transfer: Callable[[], None] | None = None,
     ) -> RefitStats:
         """Receive refit number ``refit``. ``destinations`` overrides the
         tensors to write into for this refit (checked like the tensors given
@@ -112,13 +113,21 @@ class Receiver:
         ``after_round(i)`` after each round of this rank. ``method``:
         ``reshard``, or ``gather_broadcast`` (the baseline). ``touched``
         (``GroupConfig.delta``): a set the local tensors whose values changed
-        join as rounds complete, so ``after_round`` can act on them."""
+        join as rounds complete, so ``after_round`` can act on them.
+        ``after_transfer()`` runs once this worker's last round completed,
+        before every rank agrees on the outcome (its failure fails the refit
+        on every rank)."""
         if method == "gather_broadcast":
             return self.session.refit_baseline(refit, destinations=destinations)
         if method != "reshard":
             raise ValueError(f"unknown refit method {method!r}; use 'reshard' or 'gather_broadcast'")
         return self.session.refit(
-            refit, destinations=destinations, after_round=after_round, before_transfer=before_transfer, touched=touched
+            refit,
+            destinations=destinations,
+            after_round=after_round,
+            before_transfer=before_transfer,
+            touched=touched,
+            after_transfer=after_transfer,
         )
 
     def forget_base(self, why: str) -> None:

@@ -41,10 +41,12 @@ def _dtype_name(t: torch.Tensor) -> str:
 
 
 def dtensor_grid(
-    t: torch.Tensor, *, source_rank_of: Callable[[int], int] | None = None
+    t: torch.Tensor, *, source_rank_of: Callable[[int], int] | None = None, meshes: dict | None = None
 ) -> tuple[Mesh, tuple[tuple[int, ...], ...]] | None:
     """(mesh, shard spec) of a DTensor's placements, or ``None`` when a grid
-    cannot express them (``Partial`` raises: it must be reduced first)."""
+    cannot express them (``Partial`` raises: it must be reduced first).
+    ``meshes``: a cache of device meshes already read (by object; reading
+    one's ranks costs torch a layout computation each time)."""
     from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 
     placements = t.placements  # type: ignore[attr-defined]
@@ -64,21 +66,35 @@ def dtensor_grid(
             continue
         return None
     shard = tuple(tuple(plain[d] + strided[d]) for d in range(ndim))
-    ranks = [int(r) for r in mesh.mesh.flatten().tolist()]
-    if source_rank_of is not None:
-        ranks = [source_rank_of(r) for r in ranks]
-    return Mesh(shape=tuple(mesh.mesh.shape), ranks=tuple(ranks)), shard
+    if meshes is None:
+        meshes = {}
+    key = ("mesh", id(mesh))
+    if key not in meshes:
+        ranks = [int(r) for r in mesh.mesh.flatten().tolist()]
+        if source_rank_of is not None:
+            ranks = [source_rank_of(r) for r in ranks]
+        meshes[key] = (mesh, Mesh(shape=tuple(mesh.mesh.shape), ranks=tuple(ranks)))
+    return meshes[key][1], shard
 
 
-def _local_box(t: torch.Tensor) -> Box:
+def _local_box(t: torch.Tensor, cache: dict) -> Box:
+    """This rank's box of DTensor ``t``; ``cache`` holds those computed for
+    the same shape, mesh and placements (every layer's tensors repeat them)."""
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-    shape, offset = compute_local_shape_and_global_offset(
-        t.shape,
-        t.device_mesh,  # type: ignore[attr-defined]
-        t.placements,  # type: ignore[attr-defined]
-    )
-    return Box(tuple(int(o) for o in offset), tuple(int(s) for s in shape))
+    mesh = t.device_mesh  # type: ignore[attr-defined]
+    key = ("box", tuple(t.shape), id(mesh), tuple(t.placements))  # type: ignore[attr-defined]
+    if key not in cache:
+        shape, offset = compute_local_shape_and_global_offset(t.shape, mesh, t.placements)  # type: ignore[attr-defined]
+        cache[key] = (mesh, Box(tuple(int(o) for o in offset), tuple(int(s) for s in shape)))
+    return cache[key][1]
+
+
+def _coordinate(mesh, cache: dict) -> tuple[int, ...]:
+    key = ("coord", id(mesh))
+    if key not in cache:
+        cache[key] = (mesh, tuple(int(c) for c in mesh.get_coordinate()))
+    return cache[key][1]
 
 
 def describe_module(
@@ -98,6 +114,9 @@ def describe_module(
     pieces: list[PieceSpec] = []
     grids: list[GridSpec] = []
     local: dict[str, torch.Tensor] = {}
+    # Device meshes, coordinates and local boxes repeat for every layer; the
+    # cache keeps each mesh alive beside its id for the length of the call.
+    cache: dict = {}
     for name, t in items:
         cname = rename(name) if rename is not None else name
         if cname is None:
@@ -107,7 +126,7 @@ def describe_module(
         is_dt = isinstance(t, DTensor)
         if is_dt:
             lt = t.to_local()  # type: ignore[attr-defined]
-            box = _local_box(t)
+            box = _local_box(t, cache)
         else:
             lt = t.detach()
             box = full_box(t.shape)
@@ -118,12 +137,12 @@ def describe_module(
         if local_name in local:
             raise ValueError(f"two tensors map to the checkpoint name {cname!r}; pass a rename function")
         if is_dt and len(split) == 1 and split[0].name == cname:
-            spec = dtensor_grid(t, source_rank_of=source_rank_of)
+            spec = dtensor_grid(t, source_rank_of=source_rank_of, meshes=cache)
             meta = TensorMeta(cname, tuple(t.shape), dtype)
             if spec is not None:
                 mesh, shard = spec
                 grid = Grid(tensors=(0, 1, 1), mesh=mesh, shard=shard)
-                coord = tuple(int(c) for c in t.device_mesh.get_coordinate())  # type: ignore[attr-defined]
+                coord = _coordinate(t.device_mesh, cache)  # type: ignore[attr-defined]
                 if grid_box(grid, meta.shape, coord) == box:
                     # Every rank of the mesh publishes the grid, also one whose
                     # shard is empty (a tensor with fewer rows than ranks): the

@@ -158,7 +158,9 @@ def _summarize(bench, case: DeltaCase, results: dict[int, dict]) -> dict[str, An
     t = bench.trainer_ranks
     engines = [r for r in results if r >= t]
     n = len(results[0]["runs"])
-    per: dict[str, dict[str, list]] = {m: {"seconds": [], "wire": [], "dense": [], "changed": []} for m in METHODS}
+    per: dict[str, dict[str, list]] = {
+        m: {"seconds": [], "wire": [], "dense": [], "changed": [], "phases": []} for m in METHODS
+    }
     for i in range(n):
         runs = [results[r]["runs"][i] for r in results]
         method, step = runs[0]["method"], runs[0]["step"]
@@ -169,6 +171,7 @@ def _summarize(bench, case: DeltaCase, results: dict[int, dict]) -> dict[str, An
         p["wire"].append(sum(results[r]["runs"][i]["wire_bytes"] for r in engines))
         p["dense"].append(sum(results[r]["runs"][i]["dense_bytes"] for r in engines))
         senders = [results[r]["runs"][i] for r in range(t)]
+        p["phases"].append(_phases(senders, [results[r]["runs"][i] for r in engines]))
         elements = sum(x["delta_elements"] for x in senders)
         if elements:
             p["changed"].append(sum(x["delta_changed"] for x in senders) / elements)
@@ -184,6 +187,7 @@ def _summarize(bench, case: DeltaCase, results: dict[int, dict]) -> dict[str, An
             "wire_bytes_median": w,
             "wire_vs_dense": w / dense_wire,
             "time_vs_dense": s / dense_s,
+            "phases": {k: statistics.median(ph.get(k, 0.0) for ph in p["phases"]) for k in p["phases"][0]},
         }
     changed = per["delta"]["changed"]
     return {
@@ -200,6 +204,20 @@ def _summarize(bench, case: DeltaCase, results: dict[int, dict]) -> dict[str, An
         "correct": all(all(results[r]["same"]) for r in engines),
         "method": methods,
     }
+
+
+def _phases(senders: list[dict], receivers: list[dict]) -> dict[str, float]:
+    """The slowest sender's and the slowest receiver's transfer phases (and
+    until when their last byte landed), by ``sender_`` / ``receiver_`` name."""
+    out: dict[str, float] = {}
+    for side, runs in (("sender", senders), ("receiver", receivers)):
+        slow = max(runs, key=lambda x: x["seconds"])
+        out[f"{side}_transfer"] = slow["seconds"]
+        out[f"{side}_agree"] = slow["agree_seconds"]
+        out[f"{side}_cpu"] = slow.get("cpu_seconds", 0.0)
+        for k, v in slow.get("phase_seconds", {}).items():
+            out[f"{side}_{k}"] = v
+    return out
 
 
 def format_delta(results: list[dict[str, Any]]) -> str:
@@ -229,6 +247,11 @@ def format_delta(results: list[dict[str, Any]]) -> str:
             f"{r['method']['delta']['time_vs_dense']:.2f}x its time; gather-and-broadcast "
             f"{r['method']['gather_broadcast']['time_vs_dense']:.2f}x; snapshots {r['snapshot_bytes'] / 1e6:.0f} MB"
         )
+        for m in ("delta", "dense"):
+            ph = r["method"][m].get("phases", {})
+            for side in ("sender", "receiver"):
+                text = ", ".join(f"{k.removeprefix(side + '_')} {v:.3f}" for k, v in ph.items() if k.startswith(side))
+                lines.append(f"    {m} slowest {side} (median s): {text}")
     return "\n".join(lines)
 
 

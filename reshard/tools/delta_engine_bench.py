@@ -22,9 +22,7 @@ tokens after the last delta refit must equal those after that reload.
 from __future__ import annotations
 
 import multiprocessing as mp
-import os
 import statistics
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -38,6 +36,7 @@ from reshard.tools.engine_bench import (
     fsdp2_trainer,
     join_all,
     model_config,
+    scratch,
 )
 
 __all__ = ["format_delta_engine", "run_delta_engine_bench"]
@@ -146,78 +145,80 @@ def run_delta_engine_bench(
     from reshard.testing.tiny import build_tiny_model
     from reshard.transport.group import GroupConfig
 
-    base = "/dev/shm" if os.path.isdir("/dev/shm") else None
-    work = Path(workdir or tempfile.mkdtemp(prefix="reshard-delta-bench-", dir=base))
-    say(f"building a {size_mb:.0f} MB bfloat16 checkpoint in {work} ...")
-    path = build_tiny_model(work / "v0", "qwen2", seed=0, **model_config(size_mb, "bfloat16"))
-    bench_address = f"127.0.0.1:{free_port()}"
-    refit_address = f"127.0.0.1:{free_port()}"
-    store = bench_store(bench_address, host=True)
-    cfg = {
-        "trainers": trainers,
-        "tp": tp,
-        "reps": reps,
-        "warmup": warmup,
-        "lr": lr,
-        "master": master,
-        "path": str(path),
-        "final_path": str(work / "final"),
-        "bench_address": bench_address,
-        "refit_address": refit_address,
-        "pg_port": free_port(),
-        "parties": 1 + trainers,
-    }
-    say(f"starting vLLM (TP={tp}, bfloat16, CPU) ...")
-    llm = offline_llm(str(path), tp, dtype="bfloat16")
-    torch.set_num_threads(1)
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    procs = [ctx.Process(target=entry, args=(trainer_rank, r, (cfg,), q), daemon=True) for r in range(trainers)]
-    for p in procs:
-        p.start()
-    rows: list[dict[str, Any]] = []
-    out: dict[str, Any] = {}
-    try:
-        current = None
-        steps = _steps(warmup, reps)
-        say(f"{len(steps)} refits: a dense pass then a delta pass, an AdamW step (lr {lr:g}) before each step ...")
-        for i, (name, step, method) in enumerate(steps):
-            if name != current:
-                group = GroupConfig(
-                    address=refit_address,
-                    num_sources=trainers,
-                    num_destinations=tp,
-                    timeout_s=600,
-                    job=f"bench-{name}",
-                    delta=name == "delta",
+    with scratch(workdir, "reshard-delta-bench-") as work:
+        say(f"building a {size_mb:.0f} MB bfloat16 checkpoint in {work} ...")
+        path = build_tiny_model(work / "v0", "qwen2", seed=0, **model_config(size_mb, "bfloat16"))
+        bench_address = f"127.0.0.1:{free_port()}"
+        refit_address = f"127.0.0.1:{free_port()}"
+        store = bench_store(bench_address, host=True)
+        cfg = {
+            "trainers": trainers,
+            "tp": tp,
+            "reps": reps,
+            "warmup": warmup,
+            "lr": lr,
+            "master": master,
+            "path": str(path),
+            "final_path": str(work / "final"),
+            "bench_address": bench_address,
+            "refit_address": refit_address,
+            "pg_port": free_port(),
+            "parties": 1 + trainers,
+        }
+        say(f"starting vLLM (TP={tp}, bfloat16, CPU) ...")
+        llm = offline_llm(str(path), tp, dtype="bfloat16")
+        torch.set_num_threads(1)
+        ctx = mp.get_context("spawn")
+        q = ctx.Queue()
+        procs = [ctx.Process(target=entry, args=(trainer_rank, r, (cfg,), q), daemon=True) for r in range(trainers)]
+        for p in procs:
+            p.start()
+        rows: list[dict[str, Any]] = []
+        out: dict[str, Any] = {}
+        try:
+            current = None
+            steps = _steps(warmup, reps)
+            say(f"{len(steps)} refits: a dense pass then a delta pass, an AdamW step (lr {lr:g}) before each step ...")
+            for i, (name, step, method) in enumerate(steps):
+                if name != current:
+                    group = GroupConfig(
+                        address=refit_address,
+                        num_sources=trainers,
+                        num_destinations=tp,
+                        timeout_s=600,
+                        job=f"bench-{name}",
+                        delta=name == "delta",
+                    )
+                    init_workers(llm, GroupSpec.of(group, with_token=True))
+                    current = name
+                barrier(store, i, 1 + trainers)
+                t0 = time.perf_counter()
+                how = "gather_broadcast" if method == "gather_broadcast" else "reshard"
+                replies = pull_workers(llm, i + 1, method=how)
+                llm.reset_prefix_cache()
+                rows.append(
+                    {
+                        "step": i,
+                        "method": method,
+                        "warmup": step < warmup,
+                        "seconds": time.perf_counter() - t0,
+                        "workers": [dict(r.stats) for r in replies],
+                    }
                 )
-                init_workers(llm, GroupSpec.of(group, with_token=True))
-                current = name
-            barrier(store, i, 1 + trainers)
-            t0 = time.perf_counter()
-            replies = pull_workers(llm, i + 1, method="gather_broadcast" if method == "gather_broadcast" else "reshard")
-            llm.reset_prefix_cache()
-            rows.append(
-                {
-                    "step": i,
-                    "method": method,
-                    "warmup": step < warmup,
-                    "seconds": time.perf_counter() - t0,
-                    "workers": [dict(r.stats) for r in replies],
-                }
+            out["tokens_delta"] = greedy(llm)
+            results = collect(q, procs, timeout=900)
+            llm.collective_rpc(
+                "reload_weights", kwargs={"weights_path": cfg["final_path"], "is_checkpoint_format": True}
             )
-        out["tokens_delta"] = greedy(llm)
-        results = collect(q, procs, timeout=900)
-        llm.collective_rpc("reload_weights", kwargs={"weights_path": cfg["final_path"], "is_checkpoint_format": True})
-        llm.reset_prefix_cache()
-        out["tokens_reload"] = greedy(llm)
-    finally:
-        join_all(procs)
-        shutdown(llm)
-    for _name, _rank, value in results:
-        for r in value:
-            rows[r["step"]].setdefault("trainers", []).append(r)
-    return _summarize(rows, out, size_mb, tp, trainers, master, lr, reps, warmup)
+            llm.reset_prefix_cache()
+            out["tokens_reload"] = greedy(llm)
+        finally:
+            join_all(procs)
+            shutdown(llm)
+        for _name, _rank, value in results:
+            for r in value:
+                rows[r["step"]].setdefault("trainers", []).append(r)
+        return _summarize(rows, out, size_mb, tp, trainers, master, lr, reps, warmup)
 
 
 def _summarize(rows, out, size_mb, tp, trainers, master, lr, reps, warmup) -> dict[str, Any]:

@@ -40,6 +40,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--lora-rank", type=int, default=16, help="--lora: the adapter's rank")
     ap.add_argument("--lr", type=float, default=1e-6, help="--delta: the AdamW learning rate")
     ap.add_argument("--master", default="bfloat16", choices=["bfloat16", "float32"], help="--delta: trainer dtype")
+    ap.add_argument(
+        "--methods",
+        default=None,
+        help="vLLM: comma-separated methods to run (default: all of them; reshard always runs)",
+    )
     ap.add_argument("--json", action="store_true", help="print one JSON object (with every rank's timeline)")
     ap.add_argument("--plot", default=None, help="write a PNG of the results")
     args = ap.parse_args(argv)
@@ -106,6 +111,13 @@ def main(argv: list[str] | None = None) -> int:
                 say=say,
             )
         else:
+            methods: tuple[str, ...] = engine_bench.METHODS
+            if args.methods:
+                wanted = {"reshard", *args.methods.split(",")}
+                unknown = wanted - set(methods)
+                if unknown:
+                    ap.error(f"unknown methods {sorted(unknown)}; choose from {', '.join(methods)}")
+                methods = tuple(m for m in methods if m in wanted)
             res = engine_bench.run_engine_bench(
                 size_mb=args.size_mb,
                 tp=args.tp or 2,
@@ -114,6 +126,7 @@ def main(argv: list[str] | None = None) -> int:
                 warmup=args.warmup,
                 dtype=args.dtype,
                 workdir=args.workdir,
+                methods=methods,
                 say=say,
             )
     finally:

@@ -24,7 +24,6 @@ import json
 import multiprocessing as mp
 import os
 import subprocess
-import tempfile
 import time
 import urllib.request
 from pathlib import Path
@@ -144,95 +143,94 @@ def run_sglang_bench(
     py = sglang_python(python)
     if py is None:
         raise RuntimeError("no SGLang venv: run `make sglang-setup`, or pass --sglang-python")
-    base = "/dev/shm" if os.path.isdir("/dev/shm") else None
-    work = Path(workdir or tempfile.mkdtemp(prefix="reshard-sglang-bench-", dir=base))
-    cfg_model = eb.model_config(size_mb, dtype)
-    say(f"building two {size_mb:.0f} MB {dtype} checkpoints in {work} ...")
-    engine_path = build_tiny_model(work / "v1", "qwen2", seed=0, **cfg_model)
-    trainer_path = build_tiny_model(work / "v2", "qwen2", seed=7, **cfg_model)
-    model_bytes = sum(f.stat().st_size for f in trainer_path.glob("*.safetensors"))
-    kept = [_checkpoint_bytes(trainer_path)]
+    with eb.scratch(workdir, "reshard-sglang-bench-") as work:
+        cfg_model = eb.model_config(size_mb, dtype)
+        say(f"building two {size_mb:.0f} MB {dtype} checkpoints in {work} ...")
+        engine_path = build_tiny_model(work / "v1", "qwen2", seed=0, **cfg_model)
+        trainer_path = build_tiny_model(work / "v2", "qwen2", seed=7, **cfg_model)
+        model_bytes = sum(f.stat().st_size for f in trainer_path.glob("*.safetensors"))
+        kept = [_checkpoint_bytes(trainer_path)]
 
-    port = eb.free_port()
-    url = f"http://127.0.0.1:{port}"
-    say(f"starting SGLang (TP=1, CPU) from {py} ...")
-    server = _start_server(py, engine_path, port, dtype, work / "server.log")
-    bench_address = f"127.0.0.1:{eb.free_port()}"
-    refit_address = f"127.0.0.1:{eb.free_port()}"
-    store = eb.bench_store(bench_address, host=True)
-    store.set("bench/kept", json.dumps(kept))
-    cfg: dict[str, Any] = {
-        "trainers": trainers,
-        "tp": 1,
-        "reps": reps,
-        "warmup": warmup,
-        "dtype": dtype,
-        "trainer_path": str(trainer_path),
-        "bench_address": bench_address,
-        "refit_address": refit_address,
-        "pg_port": eb.free_port(),
-        "parties": 1 + trainers + 1,
-        "methods": METHODS,
-    }
-    torch.set_num_threads(1)
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    procs: list[Any] = []
-    rows: list[dict[str, Any]] = []
-    tokens: dict[str, list] = {}
-    try:
-        _wait_healthy(url, server, work / "server.log")
-        procs = [
-            ctx.Process(target=eb.entry, args=(eb.trainer_rank, r, (cfg,), q), daemon=True) for r in range(trainers)
-        ]
-        procs.append(ctx.Process(target=eb.entry, args=(eb.raw_sink, 0, (cfg,), q), daemon=True))
-        for p in procs:
-            p.start()
-        group = GroupConfig(address=refit_address, num_sources=trainers, num_destinations=1, timeout_s=600)
-        engines = SglangEngines([url])
-        engines.init(group)
-        steps = eb.schedule(warmup, reps, METHODS)
-        say(f"{len(steps)} timed steps ({warmup} warm-up round(s), then {reps}), methods alternating ...")
-        refit = 0
-        for step, (rep, method) in enumerate(steps):
-            eb.barrier(store, step, cfg["parties"])
-            row: dict[str, Any] = {"step": step, "rep": rep, "method": method, "warmup": rep < warmup}
-            t0 = time.perf_counter()
-            replies = []
-            if method in eb.REFIT_METHODS:
-                refit += 1
-                replies = engines.refit(refit, method=eb.REFIT_METHODS[method])
-            elif method == "reload":
-                out = _http(f"{url}/update_weights_from_disk", {"model_path": str(trainer_path)})
-                if not out.get("success"):
-                    raise RuntimeError(f"update_weights_from_disk failed: {out}")
-            t_end = time.perf_counter()
-            row.update(
-                seconds=t_end - t0,
-                paused_seconds=(t_end - t0) if method != "raw_p2p" else 0.0,
-                flush_seconds=0.0,
-                # SGLang's apply is its post-load hook (the slices land in place).
-                workers=[{**r.stats, "apply_seconds": r.stats.get("post_load_seconds", 0.0)} for r in replies],
-            )
-            rows.append(row)
-            if rep == warmup + reps - 1 and method != "raw_p2p":
-                tokens[method] = _greedy(url)
-        results = eb.collect(q, procs, timeout=600)
-    finally:
-        eb.join_all(procs)
-        _stop(server)
-    eb.merge_ranks(rows, results)
-    return eb.summarize(
-        rows,
-        tokens,
-        kept,
-        model_bytes,
-        size_mb,
-        1,
-        trainers,
-        dtype,
-        reps,
-        warmup,
-        names=METHODS,
-        engine="sglang tp=1 (CPU, server)",
-    )
+        port = eb.free_port()
+        url = f"http://127.0.0.1:{port}"
+        say(f"starting SGLang (TP=1, CPU) from {py} ...")
+        server = _start_server(py, engine_path, port, dtype, work / "server.log")
+        bench_address = f"127.0.0.1:{eb.free_port()}"
+        refit_address = f"127.0.0.1:{eb.free_port()}"
+        store = eb.bench_store(bench_address, host=True)
+        store.set("bench/kept", json.dumps(kept))
+        cfg: dict[str, Any] = {
+            "trainers": trainers,
+            "tp": 1,
+            "reps": reps,
+            "warmup": warmup,
+            "dtype": dtype,
+            "trainer_path": str(trainer_path),
+            "bench_address": bench_address,
+            "refit_address": refit_address,
+            "pg_port": eb.free_port(),
+            "parties": 1 + trainers + 1,
+            "methods": METHODS,
+        }
+        torch.set_num_threads(1)
+        ctx = mp.get_context("spawn")
+        q = ctx.Queue()
+        procs: list[Any] = []
+        rows: list[dict[str, Any]] = []
+        tokens: dict[str, list] = {}
+        try:
+            _wait_healthy(url, server, work / "server.log")
+            procs = [
+                ctx.Process(target=eb.entry, args=(eb.trainer_rank, r, (cfg,), q), daemon=True) for r in range(trainers)
+            ]
+            procs.append(ctx.Process(target=eb.entry, args=(eb.raw_sink, 0, (cfg,), q), daemon=True))
+            for p in procs:
+                p.start()
+            group = GroupConfig(address=refit_address, num_sources=trainers, num_destinations=1, timeout_s=600)
+            engines = SglangEngines([url])
+            engines.init(group)
+            steps = eb.schedule(warmup, reps, METHODS)
+            say(f"{len(steps)} timed steps ({warmup} warm-up round(s), then {reps}), methods alternating ...")
+            refit = 0
+            for step, (rep, method) in enumerate(steps):
+                eb.barrier(store, step, cfg["parties"])
+                row: dict[str, Any] = {"step": step, "rep": rep, "method": method, "warmup": rep < warmup}
+                t0 = time.perf_counter()
+                replies = []
+                if method in eb.REFIT_METHODS:
+                    refit += 1
+                    replies = engines.refit(refit, method=eb.REFIT_METHODS[method])
+                elif method == "reload":
+                    out = _http(f"{url}/update_weights_from_disk", {"model_path": str(trainer_path)})
+                    if not out.get("success"):
+                        raise RuntimeError(f"update_weights_from_disk failed: {out}")
+                t_end = time.perf_counter()
+                row.update(
+                    seconds=t_end - t0,
+                    paused_seconds=(t_end - t0) if method != "raw_p2p" else 0.0,
+                    flush_seconds=0.0,
+                    # SGLang's apply is its post-load hook (the slices land in place).
+                    workers=[{**r.stats, "apply_seconds": r.stats.get("post_load_seconds", 0.0)} for r in replies],
+                )
+                rows.append(row)
+                if rep == warmup + reps - 1 and method != "raw_p2p":
+                    tokens[method] = _greedy(url)
+            results = eb.collect(q, procs, timeout=600)
+        finally:
+            eb.join_all(procs)
+            _stop(server)
+        eb.merge_ranks(rows, results)
+        return eb.summarize(
+            rows,
+            tokens,
+            kept,
+            model_bytes,
+            size_mb,
+            1,
+            trainers,
+            dtype,
+            reps,
+            warmup,
+            names=METHODS,
+            engine="sglang tp=1 (CPU, server)",
+        )

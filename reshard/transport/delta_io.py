@@ -74,6 +74,7 @@ def encode_round(
             pos += part.numel()
         out[peer] = (buf.narrow(0, 0, pos), rows)
     stats.delta_seconds += time.perf_counter() - t0
+    stats.timed("encode", time.perf_counter() - t0)
     return out, set(done)
 
 
@@ -148,3 +149,4 @@ def apply_payload(
         touched.add(t.dst.local)
         pos += n
     stats.delta_seconds += time.perf_counter() - t0
+    stats.timed("patch", time.perf_counter() - t0)

@@ -74,53 +74,81 @@ def _build() -> Any:
     jit = numba.njit(cache=True, nogil=True)
 
     @jit
-    def diff_words(aw, bw, a, b, lanes, vals, bits):
-        # Words that differ are split branch-free: every lane's value is
-        # written, and the count only moves past the ones that changed.
-        k = 0
-        for w in range(aw.shape[0]):
-            if aw[w] != bw[w]:
-                base = w * lanes
-                for j in range(lanes):
-                    i = base + j
-                    d = numba.uint8(a[i] != b[i])
-                    vals[k] = a[i]
-                    bits[i >> 3] |= d << numba.uint8(i & 7)
-                    k += d
-                bw[w] = aw[w]
-        for i in range(aw.shape[0] * lanes, a.shape[0]):
-            if a[i] != b[i]:
-                vals[k] = a[i]
+    def _to_bits(low, counts, bits, k):
+        # From offsets to bits: the k offsets recorded so far (sorted, block
+        # by block) set their bits in a cleared mask.
+        bits[:] = 0
+        p = 0
+        for blk in range(counts.shape[0]):
+            for _ in range(counts[blk]):
+                if p >= k:
+                    return 1
+                i = (blk << BLOCK_SHIFT) + numba.int64(low[p])
                 bits[i >> 3] |= numba.uint8(1) << numba.uint8(i & 7)
-                b[i] = a[i]
-                k += 1
-        return k
+                p += 1
+        return 1
 
     @jit
-    def diff_elements(a, b, vals, bits):
+    def diff(aw, bw, a, b, lanes, lane_bits, vals, low, counts, bits, to_bits, to_dense, mode):
+        # One pass over the data: 4 words (8 bytes each) compared at once, the
+        # rare words that differ split into their elements by their XOR, the
+        # snapshot word written back. Each changed element is recorded as the
+        # encoding it will end in needs, as the count grows past the points
+        # where the smallest encoding changes (sparse, then bitmask, then
+        # dense: the choice only moves that way as changes add up):
+        # mode 0 its value, its 16-bit offset and its block's count; mode 1
+        # its value and its bit (the bits of the offsets recorded so far set
+        # at the switch); mode 2 nothing (dense sends every value). Returns
+        # the number of changed elements.
         k = 0
-        for i in range(a.shape[0]):
-            if a[i] != b[i]:
-                vals[k] = a[i]
-                bits[i >> 3] |= numba.uint8(1) << numba.uint8(i & 7)
-                b[i] = a[i]
-                k += 1
-        return k
-
-    @jit
-    def sparse_index(bits, n, counts, low):
-        k = 0
-        for byte in range(bits.shape[0]):
-            x = bits[byte]
-            if x == 0:
+        nw = aw.shape[0]
+        mask = (numba.uint64(1) << numba.uint64(lane_bits)) - numba.uint64(1) if lane_bits < 64 else ~numba.uint64(0)
+        w = 0
+        while w < nw:
+            end = min(w + 4, nw)
+            acc = numba.uint64(0)
+            for v in range(w, end):
+                acc |= numba.uint64(aw[v] ^ bw[v])
+            if acc == 0:
+                w = end
                 continue
-            for j in range(8):
-                if (x >> j) & 1:
-                    i = byte * 8 + j
-                    if i < n:
-                        counts[i >> BLOCK_SHIFT] += 1
-                        low[k] = numba.uint16(i & (BLOCK - 1))
+            for v in range(w, end):
+                d = numba.uint64(aw[v] ^ bw[v])
+                if d == 0:
+                    continue
+                base = v * lanes
+                for j in range(lanes):
+                    if (d >> numba.uint64(j * lane_bits)) & mask:
+                        i = base + j
+                        if mode == 0:
+                            vals[k] = a[i]
+                            low[k] = numba.uint16(i & (BLOCK - 1))
+                            counts[i >> BLOCK_SHIFT] += 1
+                        elif mode == 1:
+                            vals[k] = a[i]
+                            bits[i >> 3] |= numba.uint8(1) << numba.uint8(i & 7)
                         k += 1
+                        if mode == 0 and k == to_bits:
+                            mode = _to_bits(low, counts, bits, k)
+                        if mode == 1 and k == to_dense:
+                            mode = 2
+                bw[v] = aw[v]
+            w = end
+        for i in range(nw * lanes, a.shape[0]):
+            if a[i] != b[i]:
+                if mode == 0:
+                    vals[k] = a[i]
+                    low[k] = numba.uint16(i & (BLOCK - 1))
+                    counts[i >> BLOCK_SHIFT] += 1
+                elif mode == 1:
+                    vals[k] = a[i]
+                    bits[i >> 3] |= numba.uint8(1) << numba.uint8(i & 7)
+                b[i] = a[i]
+                k += 1
+                if mode == 0 and k == to_bits:
+                    mode = _to_bits(low, counts, bits, k)
+                if mode == 1 and k == to_dense:
+                    mode = 2
         return k
 
     @jit
@@ -173,7 +201,7 @@ def _build() -> Any:
                 k += d
         return k
 
-    return diff_words, diff_elements, sparse_index, apply_sparse, apply_bitmask
+    return diff, apply_sparse, apply_bitmask
 
 
 def _warm(dtype: Any) -> bool:
@@ -187,16 +215,29 @@ def _warm(dtype: Any) -> bool:
     kernels = _compiled()
     if kernels is None:
         return False
-    diff_words, diff_elements, sparse_index, apply_sparse, apply_bitmask = kernels
+    diff, apply_sparse, apply_bitmask = kernels
     try:
         a = np.zeros(64 // dtype.itemsize, dtype=dtype)
         b, vals = a.copy(), a.copy()
         bits = np.zeros(8, dtype=np.uint8)
+        low, counts = np.zeros(a.size, dtype=np.uint16), np.zeros(1, dtype=np.int32)
         lanes = 8 // dtype.itemsize
-        if lanes > 1:
-            diff_words(a.view(np.int64), b.view(np.int64), a, b, lanes, vals, bits)
-        diff_elements(a, b, vals, bits)
-        sparse_index(bits, a.size, np.zeros(1, dtype=np.int32), np.zeros(a.size, dtype=np.uint16))
+        for mode in (0, 1, 2):
+            diff(
+                a[: a.size - a.size % lanes].view(np.int64),
+                b[: b.size - b.size % lanes].view(np.int64),
+                a,
+                b,
+                lanes,
+                8 * dtype.itemsize,
+                vals,
+                low,
+                counts,
+                bits,
+                1,
+                2,
+                mode,
+            )
         apply_sparse(a, vals[:0], np.zeros(1, dtype=np.int32), np.zeros(0, dtype=np.uint16), a.size)
         popcount = np.zeros(256, dtype=np.int64)
         apply_bitmask(a, vals[:0], bits, a.size, popcount)
@@ -208,39 +249,67 @@ def _warm(dtype: Any) -> bool:
     return True
 
 
-def _bits_scratch(nbytes: int) -> Any:
-    """A zeroed flag buffer of ``nbytes`` (kept and grown across calls)."""
+def _scratch(n: int) -> tuple[Any, Any, Any]:
+    """Scratch for a part of ``n`` elements: 16-bit offsets (as many as a
+    ``sparse`` part may hold), block counts (zeroed) and flag bits (cleared
+    by the kernel when it needs them); kept and grown across calls."""
     import numpy as np
 
-    if _S.scratch is None or _S.scratch.size < nbytes:
-        _S.scratch = np.zeros(max(nbytes, 1 << 16), dtype=np.uint8)
-    view = _S.scratch[:nbytes]
-    view[:] = 0
-    return view
+    need = (n // 16 + 8) * 2 + 4 * (blocks(n) + 2) + mask_bytes(n) + 64
+    if _S.scratch is None or _S.scratch.size < need:
+        _S.scratch = np.zeros(max(need, 1 << 16), dtype=np.uint8)
+    buf = _S.scratch
+    at = 0
+    low = buf[at : at + (n // 16 + 8) * 2].view(np.uint16)
+    at += -(-low.nbytes // 8) * 8
+    counts = buf[at : at + 4 * max(blocks(n), 1)].view(np.int32)
+    counts[:] = 0
+    at += -(-counts.nbytes // 8) * 8
+    bits = buf[at : at + max(mask_bytes(n), 1)]
+    return low, counts, bits
 
 
-def encode(a: Any, b: Any, o: Any, n: int, e: int) -> tuple[int, int, int] | None:
+def _first(n: int, e: int, encs: tuple[int, ...]) -> int:
+    """The smallest count of changed elements (of ``n``) whose smallest
+    encoding is none of ``encs`` (``n + 1``: there is none). The choice only
+    moves from ``same`` to ``sparse``, ``bitmask`` and ``dense`` as the
+    count grows, so a bisection finds it."""
+    lo, hi = 0, n + 1
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if mid <= n and choose(n, mid, e) in encs:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo
+
+
+def encode(a: Any, b: Any, o: Any, n: int, e: int, *, dense: bool = False) -> tuple[int, int, int] | None:
     """The compiled ``encode_part`` on CPU:
     ``a``, ``b`` integer views (new values, snapshot), ``o`` the payload's
-    bytes (at least a dense part's). ``None`` when this path does not apply
-    (16-byte elements); the caller takes the numpy path then."""
+    bytes (at least a dense part's). ``dense``: the part goes dense whatever
+    changed (the snapshot is brought up to date and the changes counted, no
+    position recorded). ``None`` when this path does not apply (16-byte
+    elements); the caller takes the numpy path then."""
     import numpy as np
 
     kernels = _compiled()
     if kernels is None or e == 16 or a.ndim != 1 or not _warm(a.dtype):
         return None
-    diff_words, diff_elements, sparse_index, _, _ = kernels
+    diff = kernels[0]
     vals = o[: n * e].view(a.dtype)
     with _S.lock:  # one scratch per process
-        bits = _bits_scratch(-(-n // 8))
+        low, counts, bits = _scratch(n)
         lanes = 8 // e
-        full = n - n % lanes
         aligned = a.ctypes.data % 8 == 0 and b.ctypes.data % 8 == 0
-        if lanes > 1 and aligned and full:
-            k = diff_words(a[:full].view(np.int64), b[:full].view(np.int64), a, b, lanes, vals, bits)
-        else:
-            k = diff_elements(a, b, vals, bits)
-        enc = choose(n, k, e)
+        # Unaligned data goes element by element (the kernel's tail loop).
+        full = n - n % lanes if aligned else 0
+        words_a, words_b = a[:full].view(np.int64), b[:full].view(np.int64)
+        to_bits = _first(n, e, (SAME, SPARSE))
+        to_dense = _first(n, e, (SAME, SPARSE, BITMASK))
+        mode = 2 if dense else 0
+        k = diff(words_a, words_b, a, b, lanes, 8 * e, vals, low, counts, bits, to_bits, to_dense, mode)
+        enc = DENSE if dense and k else choose(n, k, e)
         sec = sections(enc, n, k, e)
         if enc == SAME:
             return enc, k, 0
@@ -249,12 +318,10 @@ def encode(a: Any, b: Any, o: Any, n: int, e: int) -> tuple[int, int, int] | Non
             return enc, k, sec.size
         if enc == SPARSE:
             nb = blocks(n)
-            counts = o[sec.counts : sec.counts + 4 * nb].view(np.int32)
-            counts[:] = 0
-            low = o[sec.positions : sec.positions + 2 * k].view(np.uint16)
-            sparse_index(bits, n, counts, low)
+            o[sec.counts : sec.counts + 4 * nb] = counts[:nb].view(np.uint8)
+            o[sec.positions : sec.positions + 2 * k] = low[:k].view(np.uint8)
         elif enc == BITMASK:
-            o[sec.positions : sec.positions + bits.size] = bits
+            o[sec.positions : sec.positions + mask_bytes(n)] = bits[: mask_bytes(n)]
         return enc, k, sec.size
 
 
@@ -270,7 +337,7 @@ def apply(enc: int, k: int, part: Any, dst: Any, n: int, e: int) -> bool:
         return False
     if _S.popcount is None:
         _S.popcount = np.array([bin(i).count("1") for i in range(256)], dtype=np.int64)
-    apply_sparse, apply_bitmask = kernels[3], kernels[4]
+    apply_sparse, apply_bitmask = kernels[1], kernels[2]
     sec = sections(enc, n, k, e)
     vals = part[: sec.values].view(dst.dtype)
     if enc == SPARSE:

@@ -172,6 +172,8 @@ class Executor:
     ``exports``: per source rank, the tensors it exported to shared memory
     (every rank passes the same; see the module docstring). ``delta``: the
     peers this refit exchanges deltas with (see the module docstring).
+    ``arena``: a staging arena an earlier executor used, taken when it is
+    large enough (a fresh host allocation faults in every page again).
     """
 
     def __init__(
@@ -189,6 +191,7 @@ class Executor:
         checksums: bool = False,
         exports: Mapping[int, Mapping[str, Export]] | None = None,
         delta: DeltaRun | None = None,
+        arena: torch.Tensor | None = None,
     ) -> None:
         import torch
 
@@ -221,11 +224,23 @@ class Executor:
                 f"rank {plan.rank}: its busiest round needs {need} bytes of staging, over the budget of "
                 f"{budget_bytes}; plan with smaller rounds"
             )
-        self._arena = torch.empty(need, dtype=torch.uint8, device=self.device) if need else None
+        self.arena = arena
+        """The staging arena this executor used, whole (to hand to the next one)."""
+        if not need:
+            self._arena = None
+        else:
+            if arena is None or arena.device != self.device or arena.numel() < need:
+                arena = self.arena = torch.empty(need, dtype=torch.uint8, device=self.device)
+            self._arena = arena.narrow(0, 0, need)
         self._pool = cf.ThreadPoolExecutor(1, thread_name_prefix="reshard-wait")
         self._checked: set[tuple[str, str]] = set()
         self._stop = threading.Event()
+        self._t0 = time.perf_counter()
         self._shm = ShmLinks(group, plan, big_bytes=big_bytes, refit=refit, stop=self._stop)
+
+    def _timed(self, phase: str, since: float) -> None:
+        if self._stats is not None:
+            self._stats.timed(phase, time.perf_counter() - since)
 
     def _error(self, text: str) -> RefitError:
         return RefitError("transfer", {self.plan.rank: text}, version=self.refit)
@@ -234,6 +249,7 @@ class Executor:
         """Copy this round's direct transfers out of the senders' exported
         tensors, and count what receivers read from this rank's."""
         me = self.plan.rank
+        t0 = time.perf_counter()
         for peer, t in self._direct_out.get(rnd.index, ()):
             n = t.nbytes
             stats.sent(peer, self.group.direct_link(me, peer), payload=n, dense=n, wire=n, messages=0)
@@ -266,6 +282,7 @@ class Executor:
             # reports the refit done: every copy out of them must have run.
             for dev in devices:
                 torch.cuda.current_stream(dev).synchronize()
+        stats.timed("direct", time.perf_counter() - t0)
 
     # -- views -------------------------------------------------------------
 
@@ -327,7 +344,7 @@ class Executor:
         if self.delta is not None:
             stats.delta_peers = sorted(self._delta_peers)
             stats.dense_peers = dict(sorted(self.delta.dense.items()))
-        t0 = time.perf_counter()
+        t0 = self._t0 = time.perf_counter()
         half = staging_need(self.plan, self.big_bytes, pipelined=False, delta_peers=self._delta_peers)
         pending: _Pending | None = None
         try:
@@ -350,10 +367,12 @@ class Executor:
         return stats
 
     def _finish(self, p: _Pending, stats: ExecStats) -> None:
-        self._wait_works(p.works, sorted({r.peer for r in p.recv_ops} | set(p.round.sends)))
+        self._wait_works(p.works, sorted({r.peer for r in p.recv_ops} | set(p.round.sends)), stats=stats)
         if self.checksums:
             self._verify(p, stats)
         touched = self.delta.touched if self.delta is not None else None
+        delta_before = stats.delta_seconds
+        t0 = time.perf_counter()
         for r in p.recv_ops:
             if r.how == "delta":
                 assert touched is not None
@@ -375,6 +394,8 @@ class Executor:
                 if t.dst.dtype and t.dst.dtype != t.dtype:
                     count_cast(stats, t)
                 pos += align(t.nbytes) if len(r.msg) > 1 else t.nbytes
+        t1 = time.perf_counter()
+        stats.timed("unpack", t1 - t0 - (stats.delta_seconds - delta_before))
         for t in p.round.copies:
             src = local_view(self._tensor(t, "src"), t.src, t.box)
             dst = local_view(self._tensor(t, "dst"), t.dst, t.box)
@@ -385,9 +406,14 @@ class Executor:
             stats.bytes_landed += landed(t)
             if touched is not None:
                 touched.add(t.dst.local)
+        t2 = time.perf_counter()
+        if p.round.copies:
+            stats.timed("copy", t2 - t1)
+        stats.landed_seconds = t2 - self._t0
         stats.rounds += 1
         if self.after_round is not None:
             self.after_round(p.round.index)
+            stats.timed("after_round", time.perf_counter() - t2)
 
     def _start(self, rnd: Round, stats: ExecStats, base: int) -> _Pending:
         """Post round ``rnd``: delta payloads encoded and headers exchanged,
@@ -519,11 +545,13 @@ class Executor:
         def pack() -> torch.Tensor:
             arena = self._arena
             assert arena is not None
+            t0 = time.perf_counter()
             pos = off
             for t in msg:
                 src = local_view(self._tensor(t, "src"), t.src, t.box)
                 arena.narrow(0, pos, t.nbytes).view(src.dtype).view(t.box.sizes).copy_(src)
                 pos += align(t.nbytes) if len(msg) > 1 else t.nbytes
+            self._timed("pack", t0)
             return arena.narrow(0, off, n)
 
         return pack
@@ -536,9 +564,11 @@ class Executor:
             assert arena is not None
             buf = arena.narrow(0, off, t.nbytes)
             if key not in packed:
+                t0 = time.perf_counter()
                 src = local_view(self._tensor(t, "src"), t.src, t.box)
                 buf.view(src.dtype).view(t.box.sizes).copy_(src)
                 packed.add(key)
+                self._timed("pack", t0)
             return buf
 
         return pack
@@ -572,7 +602,9 @@ class Executor:
             works.append(pg.send([buf], p, HEADER_TAG))
         if nccl:
             works = [pg._end_coalescing(self.device)]
-        self._wait_works(works, sorted(set(recv_peers) | set(outs)), what="delta headers")
+        self._wait_works(
+            works, sorted(set(recv_peers) | set(outs)), what="delta headers", stats=self._stats, phase="headers"
+        )
         return {p: [(int(e), int(k)) for e, k in buf.cpu().tolist()] for p, buf in ins.items()}
 
     # -- posting and waiting ------------------------------------------------------
@@ -669,10 +701,20 @@ class Executor:
             more = f"; and {len(bad) - 3} more" if len(bad) > 3 else ""
             raise self._error(f"checksum mismatch in round {p.round.index}: " + "; ".join(bad[:3]) + more)
 
-    def _wait_works(self, works: list, peers: list[int], what: str = "a round") -> None:
+    def _wait_works(
+        self, works: list, peers: list[int], what: str = "a round", stats: ExecStats | None = None, phase: str = "wait"
+    ) -> None:
         """Wait for posted works, watching the store for an abort and the
-        clock for the timeout (the wait itself runs in a helper thread)."""
+        clock for the timeout (the wait itself runs in a helper thread); the
+        time blocked counts as ``phase`` in ``stats``."""
         if not works:
+            return
+        if stats is not None:
+            t0 = time.perf_counter()
+            try:
+                self._wait_works(works, peers, what)
+            finally:
+                stats.timed(phase, time.perf_counter() - t0)
             return
         group = self.group
         nccl = group.backend == "nccl"

@@ -143,6 +143,8 @@ class RefitSession:
         self.exports = SessionExports(rank, is_source=self.is_source)
         """What this rank publishes (a source) or reads (a destination) for direct reads."""
         self.delta = DeltaState(budget_bytes=config.delta_budget_bytes)
+        self._arena: torch.Tensor | None = None
+        """The host staging arena of the last refit, reused by the next."""
         """Delta refits (``GroupConfig.delta``): what this rank's snapshot or
         tensors hold, and since when (:mod:`reshard.transport.delta`)."""
         self._newest = 0
@@ -396,11 +398,17 @@ class RefitSession:
         after_round: Callable[[int], None] | None = None,
         before_transfer: Callable[[RankPlan], None] | None = None,
         touched: set[str] | None = None,
+        after_transfer: Callable[[], None] | None = None,
     ) -> RefitStats:
         """Run refit number ``refit`` (see the module docstring). ``touched``
         (``GroupConfig.delta``, a destination): a set the local tensors whose
-        values changed join as rounds complete (before ``after_round``)."""
+        values changed join as rounds complete (before ``after_round``).
+        ``after_transfer()`` runs once this rank's last round completed,
+        before every rank agrees on the outcome: work the rounds handed
+        elsewhere (an engine applying layers in a thread of its own) ends
+        there, and its failure fails the refit on every rank."""
         t0 = time.perf_counter()
+        cpu0 = time.process_time()
         started_at = time.time()
         with self._attempt(refit):
             group = self._enter(refit)
@@ -413,7 +421,7 @@ class RefitSession:
                 delta.touched = touched
             exported = self.exports.needed(group, statuses, exports[0])
             ex_stats, error = self._execute(
-                group, plan, refit, destinations, after_round, before_transfer, delta, exported
+                group, plan, refit, destinations, after_round, before_transfer, delta, exported, after_transfer
             )
             agree_s += enter_s + self._agree_outcome(group, refit, error)
             self.last_refit = refit
@@ -427,6 +435,7 @@ class RefitSession:
                 plan_seconds=plan_s,
                 agree_seconds=agree_s,
                 total_seconds=time.perf_counter() - t0,
+                cpu_seconds=time.process_time() - cpu0,
                 round_bytes=self.round_bytes,
                 started_at=started_at,
                 finished_at=time.time(),
@@ -570,6 +579,7 @@ class RefitSession:
         before_transfer: Callable[[RankPlan], None] | None,
         delta: DeltaRun | None,
         exported: Mapping[int, Mapping[str, wire.Export]],
+        after_transfer: Callable[[], None] | None = None,
     ) -> tuple[ExecStats | None, str]:
         """Step c: run this rank's rounds (``exported``: the colocated senders'
         exports it reads). Returns its stats, or the error that stopped it
@@ -593,8 +603,18 @@ class RefitSession:
                 checksums=self.config.checksums,
                 exports=exported,
                 delta=delta,
+                arena=self._arena,
             )
-            return ex.run(), ""
+            if ex.arena is not None and ex.arena.device.type == "cpu":
+                # Kept for the next refit on the host: a fresh one would fault
+                # in every page again (on a GPU, torch's allocator caches it).
+                self._arena = ex.arena
+            stats = ex.run()
+            if after_transfer is not None:
+                t0 = time.perf_counter()
+                after_transfer()
+                stats.timed("after_transfer", time.perf_counter() - t0)
+            return stats, ""
         except RefitError as e:
             error = e.errors.get(self.rank, str(e))
         except Exception as e:
@@ -680,6 +700,7 @@ class RefitSession:
     ) -> RefitStats:
         """Refit ``refit`` by gather-and-broadcast (see :mod:`reshard.transport.baseline`)."""
         t0 = time.perf_counter()
+        cpu0 = time.process_time()
         started_at = time.time()
         # Gather-and-broadcast leaves snapshots behind what receivers hold.
         self.delta.void(f"refit {refit} is a gather-and-broadcast")
@@ -704,6 +725,7 @@ class RefitSession:
             plan_seconds=0.0,
             agree_seconds=0.0,
             total_seconds=time.perf_counter() - t0,
+            cpu_seconds=time.process_time() - cpu0,
             round_bytes=bucket_bytes,
             started_at=started_at,
             finished_at=time.time(),
@@ -715,6 +737,8 @@ class RefitSession:
         """Forget the group and everything planned on it; the next refit joins
         a rebuilt group (its layouts and domains are read again)."""
         self.broadcast_groups.clear()
+        # A failed refit may leave receives posted into it.
+        self._arena = None
         if self.group is not None:
             self.group.close()
             self.group = None

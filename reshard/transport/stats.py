@@ -7,7 +7,21 @@ from dataclasses import dataclass, field
 
 from reshard.plan.items import Transfer
 
-__all__ = ["ExecStats", "RefitStats", "count_cast"]
+__all__ = ["PHASES", "ExecStats", "RefitStats", "count_cast"]
+
+PHASES = {
+    "wait": "blocked until a round's messages arrived or left (the wire, as this rank sees it)",
+    "headers": "delta headers exchanged (blocked)",
+    "pack": "non-contiguous slices copied into staging before they are sent",
+    "unpack": "staged messages copied (and cast) into the destination tensors",
+    "encode": "delta parts encoded against the snapshot",
+    "patch": "delta parts applied onto the base",
+    "direct": "slices copied straight out of a colocated sender's memory",
+    "copy": "local copies (source and destination on this rank)",
+    "after_round": "the caller's work between rounds (an engine applying the layers whose bytes landed)",
+    "after_transfer": "the caller's work after the last round, before the outcome is agreed (an apply draining)",
+}
+"""The phases of :attr:`ExecStats.phase_seconds`: where a rank's transfer time went."""
 
 
 @dataclass(slots=True)
@@ -61,6 +75,12 @@ class ExecStats:
     """Delta parts (one per transfer) by encoding: ``same``, ``dense``, ``sparse``, ``bitmask``."""
     delta_seconds: float = 0.0
     """Time spent encoding (sender) or applying (receiver) deltas."""
+    phase_seconds: dict[str, float] = field(default_factory=dict)
+    """Where this rank's transfer time went, by phase (see :data:`PHASES`)."""
+    landed_seconds: float = 0.0
+    """From the start of the transfer until the last byte this rank receives
+    had landed in its tensors (before the work ``after_round`` does on the
+    last round); on a sender, until its last send completed."""
 
     def received(
         self, peer: int, link: str, *, payload: int, dense: int, wire: int, landed: int, messages: int = 1
@@ -86,6 +106,10 @@ class ExecStats:
         self.dense_bytes += dense
         self.wire_bytes += wire
 
+    def timed(self, phase: str, seconds: float) -> None:
+        """Count ``seconds`` spent in ``phase`` (one of :data:`PHASES`)."""
+        self.phase_seconds[phase] = self.phase_seconds.get(phase, 0.0) + seconds
+
     def as_dict(self) -> dict:
         return {k: getattr(self, k) for k in self.__slots__}
 
@@ -107,6 +131,10 @@ class RefitStats:
     agree_seconds: float
     total_seconds: float
     round_bytes: int
+    cpu_seconds: float = 0.0
+    """CPU time this process used during the refit (every thread, user and
+    system): on a host with few cores, the sum over its processes bounds
+    how fast a refit can be."""
     started_at: float = 0.0
     """Wall clock (``time.time()``) when this rank entered the refit."""
     finished_at: float = 0.0
@@ -132,6 +160,7 @@ class RefitStats:
             plan_seconds=self.plan_seconds,
             agree_seconds=self.agree_seconds,
             total_seconds=self.total_seconds,
+            cpu_seconds=self.cpu_seconds,
             round_bytes=self.round_bytes,
             started_at=self.started_at,
             finished_at=self.finished_at,

@@ -37,14 +37,14 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from reshard.plan.box import Box, full_box
+from reshard.plan.box import Box, full_box, merge_boxes
 from reshard.plan.layout import TensorMeta
 from reshard.plan.specs import PieceSpec
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["LOADER_PREFIX", "LearnedLayout", "ViaLoader", "match_dims", "record_loads", "view_box"]
+__all__ = ["LOADER_PREFIX", "LearnedLayout", "ViaLoader", "local_box", "match_dims", "record_loads", "view_box"]
 
 
 LOADER_PREFIX = "<loader>:"
@@ -94,6 +94,24 @@ class LearnedLayout:
         """Parameters some loader tensor writes."""
         return {p for v in self.via_loader.values() for p in v.params}
 
+    def whole(self) -> frozenset[str]:
+        """Parameters the pieces tile exactly, every element written once:
+        nothing in them needs zeroing before a refit writes them."""
+        boxes: dict[str, list[Box]] = defaultdict(list)
+        for p in self.pieces:
+            boxes[p.local].append(local_box(p))
+        out = set()
+        for name, bs in boxes.items():
+            shape = self.local_shapes.get(name)
+            if shape is None or name.startswith(LOADER_PREFIX) or name in self.zero_fill:
+                continue
+            if sum(b.numel for b in bs) != _numel(shape):
+                continue
+            # Boxes that tile the whole tensor merge into it; overlapping ones never do.
+            if merge_boxes(bs) == [full_box(shape)]:
+                out.add(name)
+        return frozenset(out - self.loader_params)
+
     def problems(self) -> list[str]:
         """Why a refit with this layout would leave stale weights (empty: none)."""
         out = [f"cannot follow this loader: {u}" for u in self.unsupported]
@@ -102,6 +120,24 @@ class LearnedLayout:
             for n, k in self.uncovered.items()
         ]
         return out
+
+
+def local_box(piece: PieceSpec) -> Box:
+    """Where ``piece`` lands in its local tensor, as a box of it."""
+    nd = len(piece.local_shape)
+    offsets = tuple(piece.offset) or (0,) * nd
+    sizes = [1] * nd
+    dims = piece.dims or tuple(range(len(piece.box.sizes)))
+    for g, d in enumerate(dims):
+        sizes[d] = piece.box.sizes[g]
+    return Box(offsets, tuple(sizes))
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
 
 
 def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:

@@ -16,13 +16,14 @@ when any worker failed.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import logging
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from reshard.adapters.core.fanout import fan_out
@@ -41,6 +42,7 @@ __all__ = [
     "init_workers",
     "pause_mode_for",
     "pull_workers",
+    "quiet_replies",
     "stage_workers",
 ]
 
@@ -104,8 +106,48 @@ def engine_state(engine, *, probe: bool = True) -> list[dict[str, str]]:
     return [dict(r) for r in engine.collective_rpc("reshard_state", args=(str(probe).lower(),))]
 
 
+_LONG_CALLS = frozenset({"reshard_pull", "reshard_commit"})
+"""Worker methods that run as long as a refit (or its apply)."""
+
+
 def _replies(engine, method: str, *args: str) -> list[WorkerReply]:
-    return [WorkerReply.parse(r) for r in engine.collective_rpc(method, args=args)]
+    with quiet_replies(engine) if method in _LONG_CALLS else contextlib.nullcontext():
+        return [WorkerReply.parse(r) for r in engine.collective_rpc(method, args=args)]
+
+
+@contextlib.contextmanager
+def quiet_replies(engine: Any) -> Iterator[None]:
+    """For the length of the block, an offline ``LLM`` (its executor in this
+    process) waits for its workers' replies asleep instead of spinning.
+
+    vLLM 0.32's multiprocess executor reads each worker's reply from shared
+    memory, and for a second after its last read it polls in a loop of
+    ``sched_yield`` calls (its ``SpinCondition``, ``busy_loop_s = 1``)
+    rather than waiting on the notification its workers send. Between two
+    calls in quick succession that saves a wake-up; for a call as long as a
+    refit it keeps a core busy the whole time, which on a host with few
+    cores is taken from the refit itself (the workers and the trainer ranks
+    on the same cores). With ``busy_loop_s = 0`` the reader blocks on the
+    notification socket until the reply is there. Other engines (servers,
+    an engine core in its own process) are left as they are."""
+    conditions = []
+    executor = _attr_path(engine, "llm_engine", "engine_core", "engine_core", "model_executor")
+    for mq in getattr(executor, "response_mqs", None) or ():
+        cond = getattr(mq, "_spin_condition", None)
+        if cond is not None and isinstance(getattr(cond, "busy_loop_s", None), (int, float)):
+            conditions.append((cond, cond.busy_loop_s))
+            cond.busy_loop_s = 0
+    try:
+        yield
+    finally:
+        for cond, busy in conditions:
+            cond.busy_loop_s = busy
+
+
+def _attr_path(obj: Any, *names: str) -> Any:
+    for n in names:
+        obj = getattr(obj, n, None)
+    return obj
 
 
 def pause_mode_for(version: str | None) -> str:

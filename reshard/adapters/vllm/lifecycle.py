@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -33,6 +34,10 @@ if TYPE_CHECKING:
 __all__ = [
     "adopt_released_kernels",
     "followers",
+    "has_cpu_experts",
+    "keep_live",
+    "materialize_into",
+    "release_held",
     "released_kernels_adopted",
     "repack_cpu_experts",
     "reprocess",
@@ -65,18 +70,24 @@ def adopt_released_kernels(layer: torch.nn.Module, info: Any) -> list[str]:
 
 
 @contextlib.contextmanager
-def released_kernels_adopted() -> Iterator[None]:
+def released_kernels_adopted(seconds: dict[str, float] | None = None) -> Iterator[None]:
     """vLLM's own layerwise processing, with :func:`adopt_released_kernels`
     applied to every layer it processes, for the length of the block (a
     reload through vLLM's own ``reload_weights``; reshard's receiver calls
-    the function itself)."""
+    the function itself). ``seconds["copy_back"]`` accumulates the time
+    spent copying processed values into the live tensors."""
     from vllm.model_executor.model_loader.reload import layerwise
 
     original = layerwise._copy_and_restore_kernel_tensors
 
     def copy_and_restore(layer, info):
+        t0 = time.perf_counter()
         adopt_released_kernels(layer, info)
-        return original(layer, info)
+        try:
+            return original(layer, info)
+        finally:
+            if seconds is not None:
+                seconds["copy_back"] = seconds.get("copy_back", 0.0) + time.perf_counter() - t0
 
     layerwise._copy_and_restore_kernel_tensors = copy_and_restore
     try:
@@ -94,16 +105,25 @@ def restore_unprocessed(model: torch.nn.Module) -> None:
     if hasattr(model, "_original_do_torchao_reload"):
         model._do_torchao_reload = model._original_do_torchao_reload
     for layer in model.modules():
-        info = layerwise.LAYERWISE_INFO.get(layer)
-        if info is None or not info.can_load():
-            continue
-        if info.kernel_tensors is not None:
-            layerwise._place_kernel_tensors(layer, info)
-        for t in list(layer._parameters.values()) + list(layer._buffers.values()):
-            if t is not None and hasattr(t, "weight_loader"):
-                t.weight_loader = layerwise._get_original_loader(t)
-        info.reset()
+        keep_live(layer)
     layerwise.LOADING_LAYERS.clear()
+
+
+def keep_live(layer: torch.nn.Module) -> None:
+    """Take ``layer`` out of a layerwise reload just begun: its live tensors
+    back in place, its loaders unwrapped, nothing left for vLLM to process
+    or restore at the end (a dry run, or a layer a refit writes in place)."""
+    from vllm.model_executor.model_loader.reload import layerwise
+
+    info = layerwise.LAYERWISE_INFO.get(layer)
+    if info is None or not info.can_load():
+        return
+    if info.kernel_tensors is not None:
+        layerwise._place_kernel_tensors(layer, info)
+    for t in list(layer._parameters.values()) + list(layer._buffers.values()):
+        if t is not None and hasattr(t, "weight_loader"):
+            t.weight_loader = layerwise._get_original_loader(t)
+    info.reset()
 
 
 def followers(modules: dict[str, Any], updated: set[str]) -> list[str]:
@@ -134,11 +154,72 @@ def repack_cpu_experts(module) -> None:
     layout only on the first load; on a weight update it copies the
     checkpoint-layout weights over the packed ones, and its own reload then
     serves garbage. Pack again, as the first load does."""
+    experts = _cpu_experts(module)
+    if experts is not None:
+        experts.process_weights_after_loading(module)
+
+
+def has_cpu_experts(module) -> bool:
+    """Whether :func:`repack_cpu_experts` packs ``module``'s experts again."""
+    return _cpu_experts(module) is not None
+
+
+def _cpu_experts(module):
     from vllm.platforms import current_platform
 
     if not current_platform.is_cpu():
-        return
+        return None
     kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
     experts = getattr(kernel, "fused_experts", None)
     if experts is not None and type(experts).__module__.endswith("cpu_moe"):
-        experts.process_weights_after_loading(module)
+        return experts
+    return None
+
+
+def materialize_into(layer: torch.nn.Module, info: Any, prefix: str, pool: dict[str, torch.Tensor]) -> None:
+    """vLLM's ``materialize_layer``, with each meta tensor of ``layer`` made a
+    view of ``pool[<prefix>.<name>]`` where that buffer has its shape, strides
+    and dtype (otherwise a fresh tensor, as vLLM makes). The pool's memory
+    is kept from one refit to the next, so a receive writes into pages that
+    are already mapped."""
+    import torch
+    from vllm.model_executor.model_loader.reload import meta
+
+    if layer.__class__.__name__ in meta.SKIP_MODULES:
+        return
+    with info.restore_device:
+        for name, tensor in list(layer._parameters.items()) + list(layer._buffers.items()):
+            if tensor is None or name in meta.SKIP_TENSORS or not tensor.is_meta:
+                continue
+            buf = pool.get(f"{prefix}.{name}" if prefix else name)
+            if (
+                buf is None
+                or buf.shape != tensor.shape
+                or buf.stride() != tensor.stride()
+                or buf.dtype != tensor.dtype
+                or buf.device != torch.get_default_device()
+            ):
+                setattr(layer, name, meta.materialize_meta_tensor(tensor))
+                continue
+            out = buf.detach().view(buf.shape)
+            out.__class__ = tensor.__class__
+            out.__dict__ = tensor.__dict__.copy()
+            setattr(layer, name, out)
+
+
+def release_held(pool: dict[str, torch.Tensor], names: list[str]) -> int:
+    """After a layer materialized from ``pool`` was processed: a buffer the
+    engine still holds (its processing kept the tensor it was given instead
+    of copying it) now belongs to the engine; the pool gets a fresh one, so
+    the next refit does not write into what the engine serves."""
+    import torch
+
+    released = 0
+    for name in names:
+        buf = pool.get(name)
+        # Two references are ours: the pool's tensor and the storage object read here.
+        if buf is not None and torch._C._storage_Use_Count(buf.untyped_storage()._cdata) > 2:
+            log.debug("%s: the engine kept the buffer it was loaded from; the pool takes a fresh one", name)
+            pool[name] = torch.zeros_like(buf)
+            released += 1
+    return released

@@ -29,6 +29,7 @@ the worker keeps (:attr:`VllmReceiver.kept_bytes`), kept for the next refit.
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import contextlib
 import dataclasses
 import threading
@@ -38,6 +39,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from reshard.adapters.core.recording import LearnedLayout
+from reshard.adapters.vllm.applier import Applier, idle_priority
+from reshard.adapters.vllm.direct import direct_layers
 from reshard.adapters.vllm.layout import learn_layout
 from reshard.adapters.vllm.lifecycle import (
     followers,
@@ -171,6 +174,10 @@ class VllmReceiver:
             )
         self.layout = build_layout(rank, self.learned.pieces)
         modules = dict(model.named_modules())
+        self._cpu = str(device).split(":")[0] == "cpu"
+        self._buffers: dict[str, torch.Tensor] | None = None
+        with vllm_context(vllm_config):
+            direct = direct_layers(modules, self.learned, self.learned.whole())
         if config.pg_env is None:
             config = dataclasses.replace(config, pg_env=vllm_pg_env())
         self.worker = WorkerModel(
@@ -181,6 +188,10 @@ class VllmReceiver:
             delta=config.delta,
             modules=modules,
             followers=tuple(followers(modules, set(self.learned.layers))),
+            direct=direct,
+            # On CPU, layers are materialized in the staging buffers (see WorkerModel.pool);
+            # with deltas those are the base the next delta patches: never processed in place.
+            pool=self._staging_buffers() if self._cpu and not config.delta else None,
         )
         self.rank = rank
         self.receiver = Receiver(
@@ -195,8 +206,12 @@ class VllmReceiver:
             private_base=True,
         )
         self.last_stats: dict[str, Any] = {}
+        # Layers are processed on this thread while later rounds arrive (see
+        # Applier); on CPU it yields to the receive (see idle_priority).
+        self._apply_pool = cf.ThreadPoolExecutor(
+            1, thread_name_prefix="reshard-apply", initializer=idle_priority if self._cpu else None
+        )
         self._staging: _Staging | None = None
-        self._buffers: dict[str, torch.Tensor] | None = None
 
     @property
     def kept_bytes(self) -> int:
@@ -224,13 +239,14 @@ class VllmReceiver:
             return self._pull_delta(refit, method, atomic)
         update = LayerwiseUpdate(self.worker, refit)
         t0 = time.perf_counter()
-        with self._applying(update):
+        with self._applying(update), Applier(update.after_round, self._apply_pool) as applier:
             stats = self.receiver.pull(
                 refit,
                 method=method,
                 destinations=update.tensors,
                 before_transfer=update.begin,
-                after_round=None if atomic else update.after_round,
+                after_round=None if atomic else applier.released,
+                after_transfer=applier.drain,
             )
             # (The baseline has no rounds of ours: its first write starts the lifecycle.)
             update.end()
@@ -240,6 +256,9 @@ class VllmReceiver:
             "refit_seconds": time.perf_counter() - t0,
             "kept_bytes": self.kept_bytes,
             "layers_processed": update.n_processed,
+            "layers_direct": update.n_direct,
+            "buffers_kept_by_engine": update.n_released,
+            "lifecycle_seconds": dict(update.seconds),
             "loader_tensors": update.n_loaded,
             "atomic": atomic,
         }
@@ -271,13 +290,18 @@ class VllmReceiver:
             update = LayerwiseUpdate(self.worker, refit)
             touched: set[str] = set()
             try:
-                with self._applying(update):
+                with (
+                    self._applying(update),
+                    Applier(lambda i, changed: update.load_released(buffers, changed, i), self._apply_pool) as applier,
+                ):
                     stats = self.receiver.pull(
                         refit,
                         method=method,
                         destinations=buffers,
                         before_transfer=update.begin,
-                        after_round=lambda i: update.load_released(buffers, touched, i),
+                        # What changed so far, taken on the executor's thread.
+                        after_round=lambda i: applier.released(i, frozenset(touched)),
+                        after_transfer=applier.drain,
                         touched=touched,
                     )
                     received = time.perf_counter() - t0
@@ -294,6 +318,9 @@ class VllmReceiver:
             "kept_bytes": self.kept_bytes,
             "staging_bytes": self.staging_bytes,
             "layers_processed": update.n_processed,
+            "layers_direct": update.n_direct,
+            "buffers_kept_by_engine": update.n_released,
+            "lifecycle_seconds": dict(update.seconds),
             "layers_skipped": len(update.skipped),
             "loader_tensors": update.n_loaded,
             "atomic": atomic,
@@ -414,6 +441,9 @@ class VllmReceiver:
             "kept_bytes": self.kept_bytes,
             "staging_bytes": self.staging_bytes,
             "layers_processed": update.n_processed,
+            "layers_direct": update.n_direct,
+            "buffers_kept_by_engine": update.n_released,
+            "lifecycle_seconds": dict(update.seconds),
             "loader_tensors": update.n_loaded,
             "layers_skipped": len(update.skipped),
             "atomic": True,
@@ -429,7 +459,7 @@ class VllmReceiver:
         if it fails, put back the old weights of every layer not yet processed
         and record whether this worker is now mixed."""
         try:
-            with released_kernels_adopted():
+            with released_kernels_adopted(update.seconds):
                 yield
         except BaseException as e:
             try:
@@ -444,6 +474,7 @@ class VllmReceiver:
     def close(self) -> None:
         job = self._staging
         self.receiver.close()
+        self._apply_pool.shutdown(wait=True)
         if job is not None and job.thread is not None:
             job.thread.join(timeout=5)
         self._staging = None

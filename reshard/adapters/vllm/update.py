@@ -10,18 +10,43 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator, Mapping
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from reshard.adapters.core.recording import LOADER_PREFIX, LearnedLayout
-from reshard.adapters.vllm.lifecycle import repack_cpu_experts, reprocess, restore_unprocessed
+from reshard.adapters.vllm.direct import process_live
+from reshard.adapters.vllm.lifecycle import (
+    keep_live,
+    materialize_into,
+    release_held,
+    repack_cpu_experts,
+    reprocess,
+    restore_unprocessed,
+)
 from reshard.errors import MixedWeightsError, ReshardError
 from reshard.plan.items import RankPlan
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["LayerwiseUpdate", "WorkerModel"]
+__all__ = ["STEPS", "LayerwiseUpdate", "WorkerModel"]
+
+STEPS = {
+    "begin": "initialize_layerwise_reload: every layer's parameters put on the meta device, live tensors kept aside "
+    "(direct layers keep theirs)",
+    "backup": "old values of live tensors a refit writes in place copied aside (put back if it fails)",
+    "materialize": "layers given fresh parameters of their checkpoint-loading shapes (old values kept of live ones)",
+    "zero": "materialized parameters zeroed where the checkpoint leaves padding",
+    "load": "staging buffers copied into materialized parameters (two-phase and delta refits)",
+    "loaders": "loader tensors run through vLLM's own loaders",
+    "process": "process_weights_after_loading: repacking, quantization (and CPU MoE experts packed again); "
+    "for direct layers, run on the live layer",
+    "copy_back": "processed values copied into the live tensors the engine reads",
+    "finalize": "finalize_layerwise_reload: attention layers, untouched layers put back",
+    "followers": "modules that share a tensor with an updated one processed again (a tied lm_head)",
+}
+"""The steps of :attr:`LayerwiseUpdate.seconds`."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -45,10 +70,37 @@ class WorkerModel:
     """Modules that derive state from layers a refit processes, reprocessed
     after it (:func:`reshard.adapters.vllm.lifecycle.followers`)."""
     loader_buffers: dict[str, torch.Tensor] = field(default_factory=dict)
+    whole: frozenset[str] = frozenset()
+    """Parameters the pieces tile exactly (:meth:`LearnedLayout.whole`):
+    a refit writes every element, so they are never zeroed first."""
+    direct: frozenset[str] = frozenset()
+    """Layers (module names) whose bytes land in their live tensors, outside
+    vLLM's lifecycle (:func:`reshard.adapters.vllm.direct.direct_layers`)."""
+    pool: dict[str, torch.Tensor] | None = None
+    """Where layers are materialized (parameter name -> a tensor of its
+    checkpoint-loading shape, kept from one refit to the next: the
+    receiver's staging buffers), or ``None``: fresh tensors each refit, as
+    vLLM's own reload does. On CPU a fresh tensor is fresh pages, and the
+    receive that first writes them pays a page fault per 4 KiB."""
+    backups: dict[str, torch.Tensor] = field(default_factory=dict)
+    """Where the old values of live tensors written in place are kept during
+    a refit (kept from one refit to the next: no fresh pages each time)."""
 
     def __post_init__(self) -> None:
         if not self.modules:
             object.__setattr__(self, "modules", dict(self.model.named_modules()))
+        if not self.whole:
+            object.__setattr__(self, "whole", self.learned.whole())
+
+    def backup(self, local: str, live: torch.Tensor) -> torch.Tensor:
+        """A copy of ``live``'s values, in the buffer kept for ``local``."""
+        import torch
+
+        buf = self.backups.get(local)
+        if buf is None or buf.shape != live.shape or buf.dtype != live.dtype or buf.device != live.device:
+            buf = self.backups[local] = torch.empty_like(live, memory_format=torch.contiguous_format)
+        buf.copy_(live)
+        return buf
 
     def loader_buffer(self, local: str) -> torch.Tensor:
         """The buffer loader tensor ``local`` is received into: the
@@ -69,7 +121,10 @@ class _Layer:
     module: Any
     params: list[str]
     release_round: int = -1
+    direct: bool = False
+    """Written in place (see :attr:`WorkerModel.direct`)."""
     materialized: bool = False
+    """Materialized, or for a direct layer, first written."""
     processed: bool = False
 
 
@@ -87,7 +142,7 @@ class LayerwiseUpdate:
         self.layers: dict[str, _Layer] = {}
         self.layer_of: dict[str, _Layer] = {}
         for mod_name, params in owner.learned.layers.items():
-            layer = _Layer(mod_name, owner.modules[mod_name], params)
+            layer = _Layer(mod_name, owner.modules[mod_name], params, direct=mod_name in owner.direct)
             self.layers[mod_name] = layer
             for p in params:
                 self.layer_of[p] = layer
@@ -100,16 +155,32 @@ class LayerwiseUpdate:
         """Old values of live tensors written in place (see :meth:`param`)."""
         self.process_seconds = 0.0
         self.n_processed = 0
+        self.n_direct = 0
+        self.n_released = 0
+        """Pool buffers the engine kept (see :func:`release_held`)."""
+        """Layers whose bytes landed in their live tensors."""
         self.skipped: set[str] = set()
         """Layers :meth:`load_from` left alone (nothing of theirs changed)."""
+        self.seconds: dict[str, float] = {}
+        """Where the lifecycle's time went, by step (see :data:`STEPS`)."""
+
+    def _tick(self, step: str, since: float) -> float:
+        now = time.perf_counter()
+        self.seconds[step] = self.seconds.get(step, 0.0) + now - since
+        return now
 
     def begin(self, plan: RankPlan | None = None) -> None:
         """Every rank agreed to go ahead: enter vLLM's reload lifecycle."""
         from vllm.model_executor.model_loader.reload import layerwise
 
+        t0 = time.perf_counter()
         self.release(plan)
         layerwise.initialize_layerwise_reload(self.owner.model)
+        for layer in self.layers.values():
+            if layer.direct:
+                keep_live(layer.module)
         self.started = True
+        self._tick("begin", t0)
 
     def release(self, plan: RankPlan | None) -> None:
         """Set each layer's release round: the last round of ``plan`` that
@@ -131,7 +202,7 @@ class LayerwiseUpdate:
         """The round after which ``layer`` is processed (see :meth:`release`)."""
         return self.layers[layer].release_round
 
-    def to_load(self, changed: set[str] | None) -> set[str]:
+    def to_load(self, changed: AbstractSet[str] | None) -> set[str]:
         """The layers a refit loads when ``changed`` buffers changed (``None``:
         all): those of the changed parameters, and every layer a loader
         tensor that changed writes."""
@@ -145,8 +216,8 @@ class LayerwiseUpdate:
 
     def param(self, local: str, *, zero: bool = True) -> torch.Tensor:
         """The (materialized) parameter ``local`` to write into (zeroed when
-        its layer is materialized, unless ``zero=False``: the caller
-        overwrites all of it)."""
+        its layer is materialized, unless the pieces tile it, or
+        ``zero=False``: the caller overwrites all of it)."""
         import torch
         from vllm.model_executor.model_loader.reload import layerwise
 
@@ -159,11 +230,27 @@ class LayerwiseUpdate:
             raise KeyError(f"engine rank {self.owner.rank}: {local!r} is not a parameter this worker learned")
         if layer.processed:
             raise ReshardError(f"{local!r} written after its layer {layer.name!r} was processed")
+        if layer.direct and not layer.materialized:
+            # Bytes land where the engine reads them; the old values are kept
+            # aside to put back if the refit fails before the layer is done.
+            t0 = time.perf_counter()
+            with torch.no_grad():
+                for p in layer.params:
+                    self.live[p] = self.owner.backup(p, _attr(self.owner.modules, p))
+            self._tick("backup", t0)
+            layer.materialized = True
+            self.n_direct += 1
         if not layer.materialized:
+            t0 = time.perf_counter()
             modules = self.owner.modules
             before = {p: _attr(modules, p) for p in layer.params}
             info = layerwise.LAYERWISE_INFO[layer.module]
-            layerwise.materialize_layer(layer.module, info)
+            pool = self.owner.pool
+            if pool is None:
+                layerwise.materialize_layer(layer.module, info)
+            else:
+                materialize_into(layer.module, info, layer.name, pool)
+            fresh = []
             with torch.no_grad():
                 for p in layer.params:
                     t = _attr(modules, p)
@@ -174,9 +261,13 @@ class LayerwiseUpdate:
                         # serving tensor itself, so keep its old values to
                         # put back if the refit fails before the layer is
                         # processed.
-                        self.live[p] = t.detach().clone()
-                    if zero:
-                        t.zero_()
+                        self.live[p] = self.owner.backup(p, t)
+                    if zero and p not in self.owner.whole:
+                        fresh.append(t)
+                t0 = self._tick("materialize", t0)
+                for t in fresh:
+                    t.zero_()
+                self._tick("zero", t0)
             layer.materialized = True
         return _attr(self.owner.modules, local).data
 
@@ -211,7 +302,7 @@ class LayerwiseUpdate:
         for layer in deferred:
             self._process(layer)
 
-    def load_released(self, buffers: Mapping[str, torch.Tensor], changed: set[str], index: int) -> None:
+    def load_released(self, buffers: Mapping[str, torch.Tensor], changed: AbstractSet[str], index: int) -> None:
         """A delta refit in flight, after round ``index``: load from ``buffers``
         (and process) every layer whose last round has landed and whose
         buffers changed, and leave alone those whose did not, while later
@@ -245,8 +336,10 @@ class LayerwiseUpdate:
         for p in layer.params:
             dst = self.param(p, zero=not full)
             src = buffers.get(p)
-            if src is not None:
+            if src is not None and not _same(src, dst):
+                t0 = time.perf_counter()
                 dst.copy_(src)
+                self._tick("load", t0)
 
     def run_loaders(self, buffers: Mapping[str, torch.Tensor] | None, layers: set[str] | None = None) -> None:
         """Run vLLM's own loader on every loader tensor (received into
@@ -258,6 +351,7 @@ class LayerwiseUpdate:
         from vllm.model_executor.model_loader.reload import layerwise
 
         self.loaded = True
+        t0 = time.perf_counter()
         for via in self.owner.learned.via_loader.values():
             if not via.params or via.region.is_empty():
                 continue
@@ -277,6 +371,7 @@ class LayerwiseUpdate:
                     buf = buf.clone()
                 self.owner.model.load_weights(iter([(via.tensor.name, buf)]))  # type: ignore[operator]
             self.n_loaded += 1
+        self._tick("loaders", t0)
 
     def after_round(self, index: int) -> None:
         for layer in self.layers.values():
@@ -287,12 +382,26 @@ class LayerwiseUpdate:
         from vllm.model_executor.model_loader.reload import layerwise
 
         t0 = time.perf_counter()
+        if layer.direct:
+            process_live(layer.module)
+            layer.processed = True
+            self.n_processed += 1
+            self.process_seconds += time.perf_counter() - t0
+            self._tick("process", t0)
+            return
+        copied = self.seconds.get("copy_back", 0.0)
         info = layerwise.LAYERWISE_INFO[layer.module]
         layerwise._layerwise_process(layer.module, info)
         repack_cpu_experts(layer.module)
         layer.processed = True
         self.n_processed += 1
-        self.process_seconds += time.perf_counter() - t0
+        took = time.perf_counter() - t0
+        self.process_seconds += took
+        # The copy into the live tensors runs inside vLLM's processing
+        # (released_kernels_adopted times it): count it apart.
+        self.seconds["process"] = (
+            self.seconds.get("process", 0.0) + took - (self.seconds.get("copy_back", 0.0) - copied)
+        )
 
     def end(self) -> None:
         from vllm.model_executor.model_loader.reload import layerwise
@@ -306,10 +415,14 @@ class LayerwiseUpdate:
             layer.name for layer in self.layers.values() if not layer.processed and layer.name not in self.skipped
         ]
         if self.started:
+            t0 = time.perf_counter()
             layerwise.finalize_layerwise_reload(self.owner.model, self.owner.model_config)
             self.started = False
+            t0 = self._tick("finalize", t0)
             for name in self.owner.followers:
                 reprocess(self.owner.modules[name])
+            self._tick("followers", t0)
+        self._release_pool()
         if missing:
             raise MixedWeightsError(
                 "apply",
@@ -319,6 +432,15 @@ class LayerwiseUpdate:
                 },
                 version=self.refit,
             )
+
+    def _release_pool(self) -> None:
+        """Once the engine is out of the lifecycle (every layer it processed
+        has its live tensors back): pool buffers it still holds are its own
+        from now on (:func:`release_held`)."""
+        if self.owner.pool is not None:
+            layers = [layer for layer in self.layers.values() if layer.materialized and not layer.direct]
+            names = [p for layer in layers for p in layer.params]
+            self.n_released += release_held(self.owner.pool, names)
 
     def abort(self, error: BaseException) -> None:
         """A refit failed: put back the old weights of every layer not yet
@@ -334,6 +456,7 @@ class LayerwiseUpdate:
                     _attr(self.owner.modules, name).copy_(old)
         restore_unprocessed(self.owner.model)
         self.started = False
+        self._release_pool()
         done = sum(1 for layer in self.layers.values() if layer.processed)
         if done:
             # Some layers already carry the new weights: say so loudly.
@@ -345,6 +468,11 @@ class LayerwiseUpdate:
                 },
                 version=self.refit,
             ) from error
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` and ``b`` are the same elements of the same memory."""
+    return a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride() and a.dtype == b.dtype
 
 
 def _attr(modules: Mapping[str, Any], full: str):
