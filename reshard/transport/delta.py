@@ -41,9 +41,10 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from reshard.plan.delta_format import wire_dtype
+from reshard.plan.delta_format import Speeds, wire_dtype
 from reshard.plan.items import RankPlan, Transfer
 from reshard.plan.layout import dtype_size
+from reshard.transport.delta_speed import SpeedMeter
 from reshard.transport.messages import local_view, torch_dtype
 
 if TYPE_CHECKING:
@@ -323,6 +324,8 @@ class DeltaState:
     """Why ``base`` is 0."""
     snapshots: Snapshots | None = None
     """A sender's snapshot."""
+    speeds: SpeedMeter = field(default_factory=SpeedMeter)
+    """A sender's measured speeds, which decide when a part goes dense (:mod:`reshard.transport.delta_speed`)."""
     budget_bytes: int | None = None
     private: bool = False
     """A receiver whose base only reshard writes (a vLLM worker's buffers):
@@ -414,5 +417,7 @@ class DeltaRun:
     """Peers it could have, that move dense this refit, with why."""
     snapshots: Snapshots | None = None
     """A sender's snapshot (updated as it sends, dense peers' boxes included)."""
+    speeds: Speeds | None = None
+    """A sender's speeds for this refit's choices (``None``: the smallest encoding)."""
     touched: set[str] = field(default_factory=set)
     """A receiver's local tensors whose values changed in this refit (filled by the executor)."""

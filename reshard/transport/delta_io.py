@@ -1,9 +1,12 @@
 """One round of a delta refit, for the executor: a sender encodes its
-transfers to each delta peer into one payload (per transfer: the part
-:mod:`reshard.transport.encoding` picks, in the format of
-:mod:`reshard.plan.delta_format`, back to back) and keeps its
-snapshot up to date; a receiver reads the peers' headers, sizes their
-payloads, and patches their parts onto its tensors.
+transfers to each delta peer (per transfer: the part
+:mod:`reshard.transport.encoding` picks with the sender's speeds, in the
+format of :mod:`reshard.plan.delta_format`) into one payload, the parts
+back to back, except ``dense`` parts of at least ``big_bytes``, which are
+messages of their own sent from the snapshot
+(:func:`~reshard.plan.delta_format.own_message`), and keeps its snapshot
+up to date; a receiver reads the peers' headers, sizes their payloads and
+messages, and patches the parts onto its tensors.
 
 The executor owns the process group, the staging arena and the waits; these
 functions own what the bytes mean.
@@ -12,10 +15,20 @@ functions own what the bytes mean.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
 
-from reshard.plan.delta_format import NAMES, SAME, dense_size, part_size, wire_dtype
+from reshard.plan.delta_format import (
+    DENSE,
+    NAMES,
+    SAME,
+    Speeds,
+    dense_size,
+    own_message,
+    pad,
+    part_size,
+    wire_dtype,
+)
 from reshard.plan.items import Round, Transfer
 from reshard.plan.layout import dtype_size
 from reshard.transport.delta import Snapshots, snapshot_key
@@ -28,8 +41,9 @@ if TYPE_CHECKING:
 
 __all__ = ["Payload", "apply_payload", "encode_round", "header_parts", "snapshot_dense"]
 
-Payload = tuple["torch.Tensor", list[tuple[int, int]]]
-"""A peer's payload of one round and its header rows ``(encoding, changed)``."""
+Payload = tuple["torch.Tensor", list[tuple[int, int]], list["torch.Tensor"]]
+"""A peer's payload of one round, its header rows ``(encoding, changed)``,
+and the bytes of its parts that are messages of their own (in order)."""
 
 TensorOf = Callable[[Transfer, str], "torch.Tensor"]
 """The executor's local tensor of a transfer's ``src`` or ``dst`` side (checked)."""
@@ -44,11 +58,17 @@ def encode_round(
     tensor_of: TensorOf,
     device: torch.device,
     stats: ExecStats,
+    *,
+    speeds: Speeds | None = None,
+    big_bytes: int,
 ) -> tuple[dict[int, Payload], set[tuple]]:
     """Encode this round's transfers to every delta peer in ``peers`` into its
-    payload (in the arena, at ``offsets[("dsend", peer)]``); a box sent to
-    several peers is compared once. Brings the snapshot entries it compared
-    up to date. Returns the payloads by peer and the snapshot keys encoded."""
+    payload (in the arena, at ``offsets[("dsend", peer)]``) and its own
+    messages; a box sent to several peers is compared once. Brings the
+    snapshot entries it compared up to date. Returns the payloads by peer and
+    the snapshot keys encoded."""
+    import torch
+
     out: dict[int, Payload] = {}
     done: dict[tuple, tuple[int, int, torch.Tensor]] = {}
     t0 = time.perf_counter()
@@ -57,22 +77,29 @@ def encode_round(
         buf = arena.narrow(0, offsets[("dsend", peer)], sum(dense_size(t) for t in transfers))
         pos = 0
         rows = []
+        own: list[torch.Tensor] = []
         for t in transfers:
             key = snapshot_key(t)
             hit = done.get(key)
+            fresh = hit is None
             if hit is None:
                 new = snaps.new_values(t, tensor_of(t, "src"))
-                enc, k, n = encode_part(new, snaps.entry(t, device), buf.narrow(0, pos, dense_size(t)))
-                hit = done[key] = (enc, k, buf.narrow(0, pos, n))
+                snap = snaps.entry(t, device)
+                enc, k, n = encode_part(new, snap, buf.narrow(0, pos, dense_size(t)), speeds)
+                # A dense part's bytes are the snapshot's, now that it holds the new values.
+                hit = done[key] = (enc, k, snap.view(torch.uint8) if enc == DENSE else buf.narrow(0, pos, n))
                 stats.delta_elements += t.box.numel
                 stats.delta_changed += k
-            else:
-                buf.narrow(0, pos, hit[2].numel()).copy_(hit[2])
             enc, k, part = hit
             stats.encodings[NAMES[enc]] = stats.encodings.get(NAMES[enc], 0) + 1
             rows.append((enc, k))
-            pos += part.numel()
-        out[peer] = (buf.narrow(0, 0, pos), rows)
+            if own_message(enc, t.box.numel, dtype_size(wire_dtype(t)), big_bytes):
+                own.append(part)
+                continue
+            if enc == DENSE or not fresh:
+                buf.narrow(0, pos, part.numel()).copy_(part)
+            pos += pad(part.numel())
+        out[peer] = (buf.narrow(0, 0, pos), rows, own)
     stats.delta_seconds += time.perf_counter() - t0
     stats.timed("encode", time.perf_counter() - t0)
     return out, set(done)
@@ -128,17 +155,29 @@ def apply_payload(
     tensor_of: TensorOf,
     touched: set[str],
     stats: ExecStats,
+    *,
+    own: Mapping[int, torch.Tensor | None] | None = None,
 ) -> None:
     """Patch a payload's parts onto this rank's tensors (its base); the
-    destination tensors that changed join ``touched``. ``ValueError`` naming
+    destination tensors that changed join ``touched``. ``own``: the parts
+    (by transfer index) that were messages of their own, landed in place
+    (``None``) or in the staging given, copied now. ``ValueError`` naming
     the transfer for a malformed part."""
     t0 = time.perf_counter()
     pos = 0
-    for t, (enc, k, n) in zip(transfers, parts, strict=True):
+    own = own or {}
+    for i, (t, (enc, k, n)) in enumerate(zip(transfers, parts, strict=True)):
         stats.encodings[NAMES[enc]] = stats.encodings.get(NAMES[enc], 0) + 1
         stats.delta_elements += t.box.numel
         stats.delta_changed += k
         if enc == SAME:
+            continue
+        touched.add(t.dst.local)
+        if i in own:
+            staged = own[i]
+            if staged is not None:
+                dst = local_view(tensor_of(t, "dst"), t.dst, t.box)
+                dst.copy_(staged.view(dst.dtype).view(dst.shape))
             continue
         assert buf is not None
         dst = local_view(tensor_of(t, "dst"), t.dst, t.box)
@@ -146,7 +185,6 @@ def apply_payload(
             apply_part(enc, k, buf.narrow(0, pos, n), dst)
         except ValueError as e:
             raise ValueError(f"the part for {t.tensor!r}{t.box} is malformed: {e}") from e
-        touched.add(t.dst.local)
         pos += n
     stats.delta_seconds += time.perf_counter() - t0
     stats.timed("patch", time.perf_counter() - t0)

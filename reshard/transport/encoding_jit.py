@@ -6,12 +6,16 @@ compare them), in one pass over the data instead of a dozen vectorized
 ones: on CPU a delta is bound by reading the new values and the snapshot,
 and numpy spends as long again finding the few elements that changed.
 
-Pass 1 compares 8 bytes at a time (elements one by one at the tail and
-inside the words that differ), writes every changed value to the front of
-the payload, sets a flag bit per changed element and brings the snapshot up
-to date. The encoding is then chosen from the count; ``sparse`` takes a
-second, short pass over the flag bits (1 bit per element) to write the
-block counts and 16-bit offsets.
+One pass compares 4 words of 8 bytes at a time (elements one by one at
+the tail and inside the words that differ), brings the snapshot up to date,
+and records each changed element as the encoding its count will end in
+needs: value and 16-bit offset while ``sparse`` is the choice, value and
+flag bit once it is ``bitmask``, nothing once it is ``dense`` (from then on
+the words are only counted, a word at a time, and copied). The points
+where the choice changes come from
+:func:`reshard.plan.delta_format.dense_from`, with the sender's measured
+speeds, so a part that will go dense costs a counting copy, not the
+gathering of values nobody will read.
 """
 
 from __future__ import annotations
@@ -27,8 +31,10 @@ from reshard.plan.delta_format import (
     DENSE,
     SAME,
     SPARSE,
+    Speeds,
     blocks,
     choose,
+    dense_from,
     mask_bytes,
     sections,
 )
@@ -89,22 +95,38 @@ def _build() -> Any:
         return 1
 
     @jit
+    def lanes_set(d, lane_bits, low_bits):
+        # How many lanes (elements) of word d are not zero: each lane's bits
+        # folded into its lowest one, then summed by one multiplication.
+        t = d
+        s = lane_bits >> 1
+        while s >= 1:
+            t |= t >> numba.uint64(s)
+            s >>= 1
+        t &= low_bits
+        return numba.int64((t * low_bits) >> numba.uint64(64 - lane_bits))
+
+    @jit
     def diff(aw, bw, a, b, lanes, lane_bits, vals, low, counts, bits, to_bits, to_dense, mode):
         # One pass over the data: 4 words (8 bytes each) compared at once, the
         # rare words that differ split into their elements by their XOR, the
         # snapshot word written back. Each changed element is recorded as the
         # encoding it will end in needs, as the count grows past the points
-        # where the smallest encoding changes (sparse, then bitmask, then
-        # dense: the choice only moves that way as changes add up):
-        # mode 0 its value, its 16-bit offset and its block's count; mode 1
-        # its value and its bit (the bits of the offsets recorded so far set
-        # at the switch); mode 2 nothing (dense sends every value). Returns
-        # the number of changed elements.
+        # where the choice changes (sparse, then bitmask, then dense: the
+        # choice only moves that way as changes add up): mode 0 its value,
+        # its 16-bit offset and its block's count; mode 1 its value and its
+        # bit (the bits of the offsets recorded so far set at the switch);
+        # mode 2 nothing (a dense part is sent from the snapshot), and the
+        # rest of the data is only counted and copied, a word at a time.
+        # Returns the number of changed elements.
         k = 0
         nw = aw.shape[0]
         mask = (numba.uint64(1) << numba.uint64(lane_bits)) - numba.uint64(1) if lane_bits < 64 else ~numba.uint64(0)
+        low_bits = numba.uint64(0)
+        for j in range(lanes):
+            low_bits |= numba.uint64(1) << numba.uint64(j * lane_bits)
         w = 0
-        while w < nw:
+        while w < nw and mode != 2:
             end = min(w + 4, nw)
             acc = numba.uint64(0)
             for v in range(w, end):
@@ -115,6 +137,10 @@ def _build() -> Any:
             for v in range(w, end):
                 d = numba.uint64(aw[v] ^ bw[v])
                 if d == 0:
+                    continue
+                if mode == 2:
+                    k += lanes_set(d, lane_bits, low_bits)
+                    bw[v] = aw[v]
                     continue
                 base = v * lanes
                 for j in range(lanes):
@@ -128,12 +154,17 @@ def _build() -> Any:
                             vals[k] = a[i]
                             bits[i >> 3] |= numba.uint8(1) << numba.uint8(i & 7)
                         k += 1
-                        if mode == 0 and k == to_bits:
-                            mode = _to_bits(low, counts, bits, k)
-                        if mode == 1 and k == to_dense:
+                        if k == to_dense:
                             mode = 2
+                        elif mode == 0 and k == to_bits:
+                            mode = _to_bits(low, counts, bits, k)
                 bw[v] = aw[v]
             w = end
+        for v in range(w, nw):  # mode 2: counted and copied only
+            d = numba.uint64(aw[v] ^ bw[v])
+            if d != 0:
+                k += lanes_set(d, lane_bits, low_bits)
+                bw[v] = aw[v]
         for i in range(nw * lanes, a.shape[0]):
             if a[i] != b[i]:
                 if mode == 0:
@@ -145,10 +176,10 @@ def _build() -> Any:
                     bits[i >> 3] |= numba.uint8(1) << numba.uint8(i & 7)
                 b[i] = a[i]
                 k += 1
-                if mode == 0 and k == to_bits:
-                    mode = _to_bits(low, counts, bits, k)
-                if mode == 1 and k == to_dense:
+                if k == to_dense:
                     mode = 2
+                elif mode == 0 and k == to_bits:
+                    mode = _to_bits(low, counts, bits, k)
         return k
 
     @jit
@@ -269,28 +300,12 @@ def _scratch(n: int) -> tuple[Any, Any, Any]:
     return low, counts, bits
 
 
-def _first(n: int, e: int, encs: tuple[int, ...]) -> int:
-    """The smallest count of changed elements (of ``n``) whose smallest
-    encoding is none of ``encs`` (``n + 1``: there is none). The choice only
-    moves from ``same`` to ``sparse``, ``bitmask`` and ``dense`` as the
-    count grows, so a bisection finds it."""
-    lo, hi = 0, n + 1
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if mid <= n and choose(n, mid, e) in encs:
-            lo = mid + 1
-        else:
-            hi = mid
-    return lo
-
-
-def encode(a: Any, b: Any, o: Any, n: int, e: int, *, dense: bool = False) -> tuple[int, int, int] | None:
+def encode(a: Any, b: Any, o: Any, n: int, e: int, speeds: Speeds | None = None) -> tuple[int, int, int] | None:
     """The compiled ``encode_part`` on CPU:
     ``a``, ``b`` integer views (new values, snapshot), ``o`` the payload's
-    bytes (at least a dense part's). ``dense``: the part goes dense whatever
-    changed (the snapshot is brought up to date and the changes counted, no
-    position recorded). ``None`` when this path does not apply (16-byte
-    elements); the caller takes the numpy path then."""
+    bytes (at least a dense part's). A ``dense`` part is not written (the
+    snapshot holds its values). ``None`` when this path does not apply
+    (16-byte elements); the caller takes the numpy path then."""
     import numpy as np
 
     kernels = _compiled()
@@ -305,16 +320,12 @@ def encode(a: Any, b: Any, o: Any, n: int, e: int, *, dense: bool = False) -> tu
         # Unaligned data goes element by element (the kernel's tail loop).
         full = n - n % lanes if aligned else 0
         words_a, words_b = a[:full].view(np.int64), b[:full].view(np.int64)
-        to_bits = _first(n, e, (SAME, SPARSE))
-        to_dense = _first(n, e, (SAME, SPARSE, BITMASK))
-        mode = 2 if dense else 0
-        k = diff(words_a, words_b, a, b, lanes, 8 * e, vals, low, counts, bits, to_bits, to_dense, mode)
-        enc = DENSE if dense and k else choose(n, k, e)
+        to_bits = dense_from(n, e, speeds, (BITMASK, DENSE))
+        to_dense = dense_from(n, e, speeds)
+        k = diff(words_a, words_b, a, b, lanes, 8 * e, vals, low, counts, bits, to_bits, to_dense, 0)
+        enc = choose(n, k, e, speeds)
         sec = sections(enc, n, k, e)
-        if enc == SAME:
-            return enc, k, 0
-        if enc == DENSE:
-            o[: sec.values] = a.view(np.uint8)
+        if enc in (SAME, DENSE):
             return enc, k, sec.size
         if enc == SPARSE:
             nb = blocks(n)
