@@ -169,6 +169,8 @@ class _Entry:
     """The values last sent for the key, 1-D, in the wire dtype."""
     digest: int | None = None
     """:func:`region_digest` of ``values`` (``None``: changed since taken)."""
+    changed: float | None = None
+    """The share of its elements that changed at its last encoding (``None``: never encoded)."""
 
 
 class Snapshots:
@@ -290,6 +292,17 @@ class Snapshots:
             e = self.entries[key] = _Entry(torch.empty(t.box.numel, dtype=torch_dtype(key[3]), device=device))
         e.digest = None
         return e.values
+
+    def last_changed(self, t: Transfer) -> float | None:
+        """The share of ``t``'s elements that changed when its box was last encoded."""
+        e = self.entries.get(snapshot_key(t))
+        return None if e is None else e.changed
+
+    def encoded(self, t: Transfer, k: int) -> None:
+        """``k`` of ``t``'s elements changed in this encoding (what the next refit predicts from)."""
+        e = self.entries.get(snapshot_key(t))
+        if e is not None and t.box.numel:
+            e.changed = k / t.box.numel
 
     def new_values(self, t: Transfer, src: torch.Tensor) -> torch.Tensor:
         """``t``'s new values: its region of source tensor ``src`` in the wire

@@ -14,6 +14,7 @@ functions own what the bytes mean.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
@@ -23,6 +24,7 @@ from reshard.plan.delta_format import (
     NAMES,
     SAME,
     Speeds,
+    choose,
     dense_size,
     own_message,
     pad,
@@ -39,7 +41,7 @@ from reshard.transport.stats import ExecStats
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["Payload", "apply_payload", "encode_round", "header_parts", "snapshot_dense"]
+__all__ = ["Payload", "apply_payload", "encode_round", "header_parts", "predict_dense", "snapshot_dense"]
 
 Payload = tuple["torch.Tensor", list[tuple[int, int]], list["torch.Tensor"]]
 """A peer's payload of one round, its header rows ``(encoding, changed)``,
@@ -83,9 +85,11 @@ def encode_round(
             hit = done.get(key)
             fresh = hit is None
             if hit is None:
+                predicted = predict_dense(t, snaps.last_changed(t), speeds)
                 new = snaps.new_values(t, tensor_of(t, "src"))
                 snap = snaps.entry(t, device)
-                enc, k, n = encode_part(new, snap, buf.narrow(0, pos, dense_size(t)), speeds)
+                enc, k, n = encode_part(new, snap, buf.narrow(0, pos, dense_size(t)), speeds, dense=predicted)
+                snaps.encoded(t, k)
                 # A dense part's bytes are the snapshot's, now that it holds the new values.
                 hit = done[key] = (enc, k, snap.view(torch.uint8) if enc == DENSE else buf.narrow(0, pos, n))
                 stats.delta_elements += t.box.numel
@@ -103,6 +107,17 @@ def encode_round(
     stats.delta_seconds += time.perf_counter() - t0
     stats.timed("encode", time.perf_counter() - t0)
     return out, set(done)
+
+
+def predict_dense(t: Transfer, last: float | None, speeds: Speeds | None) -> bool:
+    """Whether ``t``'s part goes dense without looking for its changes: with
+    half the share of changes its box had last time it would still not pay
+    (a training step changes about as many as the one before). The sender
+    then only counts and copies; the count is the next prediction."""
+    if last is None or speeds is None:
+        return False
+    n = t.box.numel
+    return choose(n, math.ceil(last * n / 2), dtype_size(wire_dtype(t)), speeds) == DENSE
 
 
 def snapshot_dense(

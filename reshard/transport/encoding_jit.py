@@ -300,12 +300,15 @@ def _scratch(n: int) -> tuple[Any, Any, Any]:
     return low, counts, bits
 
 
-def encode(a: Any, b: Any, o: Any, n: int, e: int, speeds: Speeds | None = None) -> tuple[int, int, int] | None:
+def encode(
+    a: Any, b: Any, o: Any, n: int, e: int, speeds: Speeds | None = None, *, dense: bool = False
+) -> tuple[int, int, int] | None:
     """The compiled ``encode_part`` on CPU:
     ``a``, ``b`` integer views (new values, snapshot), ``o`` the payload's
     bytes (at least a dense part's). A ``dense`` part is not written (the
-    snapshot holds its values). ``None`` when this path does not apply
-    (16-byte elements); the caller takes the numpy path then."""
+    snapshot holds its values). ``dense``: the part goes dense if anything
+    changed (changes counted and copied only). ``None`` when this path does
+    not apply (16-byte elements); the caller takes the numpy path then."""
     import numpy as np
 
     kernels = _compiled()
@@ -322,8 +325,9 @@ def encode(a: Any, b: Any, o: Any, n: int, e: int, speeds: Speeds | None = None)
         words_a, words_b = a[:full].view(np.int64), b[:full].view(np.int64)
         to_bits = dense_from(n, e, speeds, (BITMASK, DENSE))
         to_dense = dense_from(n, e, speeds)
-        k = diff(words_a, words_b, a, b, lanes, 8 * e, vals, low, counts, bits, to_bits, to_dense, 0)
-        enc = choose(n, k, e, speeds)
+        mode = 2 if dense else 0
+        k = diff(words_a, words_b, a, b, lanes, 8 * e, vals, low, counts, bits, to_bits, to_dense, mode)
+        enc = (DENSE if k else SAME) if dense else choose(n, k, e, speeds)
         sec = sections(enc, n, k, e)
         if enc in (SAME, DENSE):
             return enc, k, sec.size
