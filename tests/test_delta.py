@@ -95,8 +95,16 @@ def _check_encoding(
     k = int((new.view(torch.uint8).view(n, -1) != base.view(torch.uint8).view(n, -1)).any(1).sum()) if n else 0
     snap = base.clone()
     out = torch.zeros(F.pad(n * dtype.itemsize), dtype=torch.uint8)
-    encode = E._encode_torch if path == "torch" else E._encode_np
-    enc, got_k, size = encode(new, snap, out, n, dtype.itemsize, speeds)
+    given = new
+    if strided and n % 4 == 0 and n and path != "torch":
+        # New values that are rows of a larger tensor (a column slice): read in place.
+        rows = new.new_zeros((n // 4, 7))
+        rows[:, 2:6] = new.view(n // 4, 4)
+        given = rows[:, 2:6]
+    if path == "torch":
+        enc, got_k, size = E._encode_torch(new, snap, out, n, dtype.itemsize, speeds)
+    else:
+        enc, got_k, size = E.encode_part(given, snap, out, speeds)
     assert got_k == k
     assert enc == F.choose(n, k, dtype.itemsize, speeds)
     assert size == F.part_size(enc, n, k, dtype.itemsize)
@@ -121,7 +129,7 @@ def _check_encoding(
     if path == "torch":
         enc, got_k, size = E._count_copy(new, snap, out, n, dtype.itemsize)
     else:
-        enc, got_k, size = E.encode_part(new, snap, out, speeds, dense=True)
+        enc, got_k, size = E.encode_part(given, snap, out, speeds, dense=True)
     assert (enc, got_k, size) == ((F.DENSE, k, F.pad(n * dtype.itemsize)) if k else (F.SAME, 0, 0))
     assert torch.equal(snap.view(torch.uint8), new.view(torch.uint8))
 

@@ -306,14 +306,21 @@ class Snapshots:
 
     def new_values(self, t: Transfer, src: torch.Tensor) -> torch.Tensor:
         """``t``'s new values: its region of source tensor ``src`` in the wire
-        dtype, contiguous and 1-D (a view when it already is one, else a copy
-        in the scratch buffer, valid until the next call)."""
+        dtype, contiguous and 1-D (a view when it already is one), or on the
+        host a 2-D view of its rows when they are contiguous runs of the
+        source (the encoder reads them in place), else a copy in the scratch
+        buffer, valid until the next call."""
         import torch
 
         view = local_view(src, t.src, t.box)
         wdt = torch_dtype(wire_dtype(t))
         if view.dtype == wdt and view.is_contiguous():
             return view.reshape(-1)
+        if view.dtype == wdt and view.device.type == "cpu" and view.dim() >= 2 and view.stride(-1) == 1:
+            try:  # rows of the source (a column slice): read in place where the encoder can
+                return view.view(-1, view.shape[-1])
+            except RuntimeError:
+                pass
         need = t.box.numel * dtype_size(wire_dtype(t))
         if self._scratch is None or self._scratch.numel() < need or self._scratch.device != view.device:
             self._scratch = torch.empty(need, dtype=torch.uint8, device=view.device)

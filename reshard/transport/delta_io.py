@@ -74,6 +74,7 @@ def encode_round(
     out: dict[int, Payload] = {}
     done: dict[tuple, tuple[int, int, torch.Tensor]] = {}
     t0 = time.perf_counter()
+    gather = 0.0
     for peer in sorted(p for p in rnd.sends if p in peers):
         transfers = rnd.sends[peer]
         buf = arena.narrow(0, offsets[("dsend", peer)], sum(dense_size(t) for t in transfers))
@@ -86,7 +87,9 @@ def encode_round(
             fresh = hit is None
             if hit is None:
                 predicted = predict_dense(t, snaps.last_changed(t), speeds)
+                tg = time.perf_counter()
                 new = snaps.new_values(t, tensor_of(t, "src"))
+                gather += time.perf_counter() - tg
                 snap = snaps.entry(t, device)
                 enc, k, n = encode_part(new, snap, buf.narrow(0, pos, dense_size(t)), speeds, dense=predicted)
                 snaps.encoded(t, k)
@@ -105,7 +108,10 @@ def encode_round(
             pos += pad(part.numel())
         out[peer] = (buf.narrow(0, 0, pos), rows, own)
     stats.delta_seconds += time.perf_counter() - t0
+    # "encode" is the whole of it; "gather" the part spent casting or gathering
+    # new values that are not one contiguous run of the wire dtype.
     stats.timed("encode", time.perf_counter() - t0)
+    stats.timed("gather", gather)
     return out, set(done)
 
 

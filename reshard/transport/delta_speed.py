@@ -7,11 +7,12 @@ receiver learns each choice from the round's header, so the two ranks agree
 without another message, and the choice is a pure function of what the
 header carries and these two numbers.
 
-- ``wire_s_per_byte``: this rank's last refit in which every pair moved
-  dense (the first refit of a group always does, and so does any refit
-  after a failure): its transfer seconds over the bytes it sent. It is what
-  a dense byte really costs on the way this group runs (links, the peers'
-  speed at taking it, contention), not a link's nominal speed.
+- ``wire_s_per_byte``: this rank's last refit whose bytes were mostly
+  dense (the first refit of a group is, and so is any refit after a
+  failure, or one whose parts went dense): its transfer seconds, less
+  the time it spent encoding, over the bytes it sent. It is what a dense
+  byte really costs on the way this group runs (links, the peers' speed at
+  taking it, contention), not a link's nominal speed.
 - ``change_s``: measured once per process and device, by the encoder and
   applier the refits use (compiled, numpy or torch): a part of
   :data:`CALIBRATION_ELEMENTS` 2-byte elements (32 MB: larger than caches,
@@ -20,7 +21,8 @@ header carries and these two numbers.
   its ``sparse`` part applied; the extra encode time plus the apply time,
   over the changes (best of :data:`CALIBRATION_REPEATS`). The receiver's
   patch is taken to run as fast as the sender's (the same code on the same
-  kind of device).
+  kind of device). Taken once the group's first refit succeeded (it
+  takes about half a second on a CPU), not during a transfer.
 
 Until a dense refit was measured the choice is by bytes alone. A caller may
 pin both numbers (:attr:`SpeedMeter.pinned`; the tests do, for choices they
@@ -112,11 +114,18 @@ class SpeedMeter:
         self.pinned: Speeds | None = None
         """Speeds to use instead of measuring (``None``: measure)."""
 
-    def saw(self, stats: ExecStats) -> None:
-        """Take the wire speed from a refit in which every pair moved dense."""
-        if stats.delta_peers or stats.bytes_sent < _MIN_BYTES or stats.seconds <= 0:
+    def saw(self, stats: ExecStats, device: torch.device) -> None:
+        """After a successful refit: take the wire speed from it if its bytes
+        were mostly dense (at least a quarter of a dense refit's: a float32
+        trainer's dense parts travel in the engines' bf16), and calibrate
+        the change cost if not done yet (off any transfer)."""
+        if self.pinned is None:
+            change_seconds(device)
+        if stats.bytes_sent < max(_MIN_BYTES, stats.dense_bytes // 4):
             return
-        self.wire_s_per_byte = stats.seconds / stats.bytes_sent
+        seconds = stats.seconds - stats.phase_seconds.get("encode", 0.0)
+        if seconds > 0:
+            self.wire_s_per_byte = seconds / stats.bytes_sent
 
     def speeds(self, device: torch.device) -> Speeds | None:
         """The speeds a refit's choices use (``None``: bytes alone decide)."""

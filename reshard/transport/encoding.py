@@ -69,8 +69,10 @@ def encode_part(
 ) -> tuple[int, int, int]:
     """Encode ``new`` against ``snap`` into ``out`` and make ``snap`` equal ``new``.
 
-    ``new`` and ``snap``: contiguous 1-D tensors of the wire dtype, ``n``
-    elements each; ``out``: a uint8 tensor of at least
+    ``new`` and ``snap``: tensors of the wire dtype, ``n`` elements each,
+    ``snap`` contiguous and 1-D, ``new`` too or 2-D with contiguous rows (the
+    part in row-major order: rows of a larger tensor, read in place by the
+    compiled path, gathered first by the others); ``out``: a uint8 tensor of at least
     ``delta_format.part_size(DENSE, n, 0, e)`` bytes. The encoding is
     ``delta_format.choose(n, k, e, speeds)``; a ``dense`` part is not
     written to ``out`` (its bytes are the snapshot's, afterwards).
@@ -81,11 +83,24 @@ def encode_part(
     if snap.numel() != n or snap.dtype != new.dtype:
         raise ValueError(f"snapshot of {snap.numel()} {snap.dtype} for {n} {new.dtype} values")
     e = new.element_size()
+    if new.dim() != 1 and not _rows_in_place(new):
+        new = new.contiguous().view(-1)
     if dense:
         return _count_copy(new, snap, out, n, e)
     if new.device.type == "cpu":
         return _encode_np(new, snap, out, n, e, speeds)
     return _encode_torch(new, snap, out, n, e, speeds)
+
+
+def _rows_in_place(new: torch.Tensor) -> bool:
+    """Whether the compiled path reads ``new`` (2-D, contiguous rows) as it is."""
+    if new.device.type != "cpu" or new.dim() != 2 or new.stride(1) != 1 or new.element_size() == 16:
+        return False
+    if os.environ.get("RESHARD_NUMBA", "1") == "0":
+        return False
+    from reshard.transport import encoding_jit
+
+    return encoding_jit.available()
 
 
 def _count_copy(new: torch.Tensor, snap: torch.Tensor, out: torch.Tensor, n: int, e: int) -> tuple[int, int, int]:
@@ -98,7 +113,8 @@ def _count_copy(new: torch.Tensor, snap: torch.Tensor, out: torch.Tensor, n: int
             done = encoding_jit.encode(a, b, _np(out), n, e, dense=True) if encoding_jit.available() else None
             if done is not None:
                 return done
-        k = _count_np(a, b)
+        new = new.contiguous().view(-1)
+        k = _count_np(_np(_bits(new)), b)
     else:
         m = _bits(new) != _bits(snap)
         k = int((m.any(dim=1) if m.dim() == 2 else m).sum())
@@ -126,6 +142,8 @@ def _encode_np(
         done = encoding_jit.encode(a, b, _np(out), n, e, speeds) if encoding_jit.available() else None
         if done is not None:
             return done
+    if new.dim() == 2 and e != 16:  # rows the compiled path did not take
+        a = _np(_bits(new.contiguous().view(-1)))
     idx, vals, k = _changed_np(a, b, n, e, speeds)
     enc = DENSE if idx is None else choose(n, k, e, speeds)
     sec = sections(enc, n, k, e)

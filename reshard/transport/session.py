@@ -428,8 +428,8 @@ class RefitSession:
             assert ex_stats is not None
             if group.config.delta:
                 self._delta_done(group, plan, refit, destinations)
-                if self.is_source:
-                    self.delta.speeds.saw(ex_stats)
+                if self.is_source and self.delta.snapshots is not None:
+                    self.delta.speeds.saw(ex_stats, self.device)
             return RefitStats(
                 refit=refit,
                 rank=self.rank,
