@@ -96,15 +96,14 @@ def _build() -> Any:
 
     @jit
     def lanes_set(d, lane_bits, low_bits):
-        # How many lanes (elements) of word d are not zero: each lane's bits
-        # folded into its lowest one, then summed by one multiplication.
-        t = d
-        s = lane_bits >> 1
-        while s >= 1:
-            t |= t >> numba.uint64(s)
-            s >>= 1
-        t &= low_bits
-        return numba.int64((t * low_bits) >> numba.uint64(64 - lane_bits))
+        # How many lanes (elements) of word d are not zero, without a branch:
+        # the high bit of each lane is set when the lane is not zero (adding
+        # the low bits' all-ones carries into it), those bits are moved to
+        # each lane's lowest bit and summed by one multiplication.
+        high = low_bits << numba.uint64(lane_bits - 1)
+        rest = ~high
+        y = (((d & rest) + rest) | d) & high
+        return numba.int64(((y >> numba.uint64(lane_bits - 1)) * low_bits) >> numba.uint64(64 - lane_bits))
 
     @jit
     def record(i, k, mode, a_i, vals, low, counts, bits, to_bits, to_dense):
@@ -155,11 +154,9 @@ def _build() -> Any:
                             k, mode = record(at + i, k, mode, a[i], vals, low, counts, bits, to_bits, to_dense)
                 bw[v] = aw[v]
             w = end
-        for v in range(w, nw):  # mode 2: counted and copied only
-            d = numba.uint64(aw[v] ^ bw[v])
-            if d != 0:
-                k += lanes_set(d, lane_bits, low_bits)
-                bw[v] = aw[v]
+        for v in range(w, nw):  # mode 2: counted and copied only, without a branch
+            k += lanes_set(numba.uint64(aw[v] ^ bw[v]), lane_bits, low_bits)
+            bw[v] = aw[v]
         for i in range(nw * lanes, a.shape[0]):
             if a[i] != b[i]:
                 k, mode = record(at + i, k, mode, a[i], vals, low, counts, bits, to_bits, to_dense)
