@@ -544,7 +544,7 @@ def test_pairs_that_cannot_prove_their_base_move_dense_then_deltas_resume(scenar
 # -- dense where a delta does not pay ------------------------------------------------------
 
 BIG = TensorMeta("layers.0.big", (2048, 1024), "bfloat16")
-SMALL = TensorMeta("layers.0.small", (100_000,), "float32")
+SMALL = TensorMeta("layers.0.small", (600_000,), "float32")
 MIXED = {2: (0.10, 0.002), 3: (0.30, 0.30), 4: (0.002, 1.0), 5: (0.10, 0.30), 6: (0.002, 0.002)}
 """Per refit, the share of ``BIG``'s and ``SMALL``'s elements that change
 (refit 4: ``BIG`` is predicted dense from refit 3, and goes dense though
@@ -563,21 +563,23 @@ def _mixed_values(step: int) -> tuple[torch.Tensor, torch.Tensor]:
 def _mixed(rank: int, address: str) -> list[dict]:
     """2 trainer ranks (rows of ``BIG``, halves of ``SMALL``) and 2 engine
     workers (columns of ``BIG``, worker 3 storing them transposed; halves of
-    ``SMALL``), six refits at the densities of :data:`MIXED`, the senders'
-    speeds pinned to :data:`PINNED`."""
+    ``SMALL``: 1.2 MB halves, contiguous at both ends, so a part of it
+    predicted dense is sent straight from the trainer's tensor), six refits
+    at the densities of :data:`MIXED`, the senders' speeds pinned to
+    :data:`PINNED`."""
     cfg = group_config(address, 2, 2, job="mixed", delta=True)
     out: list[dict] = []
-    rows, half = Box((rank * 1024, 0), (1024, 1024)), Box((rank * 50_000,), (50_000,))
+    rows, half = Box((rank * 1024, 0), (1024, 1024)), Box((rank * 300_000,), (300_000,))
     if rank < 2:
         big, small = (t.clone() for t in _mixed_values(1))
-        tb, ts = big[rank * 1024 : (rank + 1) * 1024].clone(), small[rank * 50_000 : (rank + 1) * 50_000].clone()
-        pieces = [PieceSpec(BIG, rows, "big", (1024, 1024)), PieceSpec(SMALL, half, "small", (50_000,))]
+        tb, ts = big[rank * 1024 : (rank + 1) * 1024].clone(), small[rank * 300_000 : (rank + 1) * 300_000].clone()
+        pieces = [PieceSpec(BIG, rows, "big", (1024, 1024)), PieceSpec(SMALL, half, "small", (300_000,))]
         s = Sender.from_pieces(pieces, {"big": tb, "small": ts}, config=cfg, rank=rank)
         s.session.delta.speeds.pinned = PINNED
         for step in range(1, 7):
             big, small = _mixed_values(step)
             tb.copy_(big[rank * 1024 : (rank + 1) * 1024])
-            ts.copy_(small[rank * 50_000 : (rank + 1) * 50_000])
+            ts.copy_(small[rank * 300_000 : (rank + 1) * 300_000])
             st = s.push(step).exec
             out.append({"delta": st.delta_peers, "encodings": st.encodings})
         s.close()
@@ -590,16 +592,16 @@ def _mixed(rank: int, address: str) -> list[dict]:
     else:
         w = PieceSpec(BIG, cols, "big", (2048, 512))
         tensors = {"big": torch.zeros(2048, 512, dtype=torch.bfloat16)}
-    tensors["small"] = torch.zeros(50_000)
+    tensors["small"] = torch.zeros(300_000)
     r = Receiver(
-        tensors, [w, PieceSpec(SMALL, Box((j * 50_000,), (50_000,)), "small", (50_000,))], config=cfg, rank=rank
+        tensors, [w, PieceSpec(SMALL, Box((j * 300_000,), (300_000,)), "small", (300_000,))], config=cfg, rank=rank
     )
     for step in range(1, 7):
         st = r.pull(step).exec
         big, small = _mixed_values(step)
         got = tensors["big"].t() if j == 1 else tensors["big"]
         ok = torch.equal(got.view(torch.int16), big[:, j * 512 : (j + 1) * 512].view(torch.int16)) and torch.equal(
-            tensors["small"].view(torch.int32), small[j * 50_000 : (j + 1) * 50_000].view(torch.int32)
+            tensors["small"].view(torch.int32), small[j * 300_000 : (j + 1) * 300_000].view(torch.int32)
         )
         out.append({"ok": ok, "delta": st.delta_peers, "encodings": st.encodings, "wire": st.wire_bytes})
     r.close()
@@ -613,7 +615,7 @@ def _mixed_wire(j: int, step: int) -> int:
     its own, unpadded; and a 16-byte header."""
     total = 0
     boxes = [(0, Box((src * 1024, j * 512), (1024, 512)), 2) for src in (0, 1)]
-    boxes.append((1, Box((j * 50_000,), (50_000,)), 4))
+    boxes.append((1, Box((j * 300_000,), (300_000,)), 4))
     for which, box, e in boxes:
         k = _bits_changed(_box(_mixed_values(step)[which], box), _box(_mixed_values(step - 1)[which], box))
         last = None

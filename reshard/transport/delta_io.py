@@ -41,7 +41,15 @@ from reshard.transport.stats import ExecStats
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["Payload", "apply_payload", "encode_round", "header_parts", "predict_dense", "snapshot_dense"]
+__all__ = [
+    "Payload",
+    "apply_payload",
+    "count_later",
+    "encode_round",
+    "header_parts",
+    "predict_dense",
+    "snapshot_dense",
+]
 
 Payload = tuple["torch.Tensor", list[tuple[int, int]], list["torch.Tensor"]]
 """A peer's payload of one round, its header rows ``(encoding, changed)``,
@@ -63,15 +71,17 @@ def encode_round(
     *,
     speeds: Speeds | None = None,
     big_bytes: int,
-) -> tuple[dict[int, Payload], set[tuple]]:
+) -> tuple[dict[int, Payload], set[tuple], list]:
     """Encode this round's transfers to every delta peer in ``peers`` into its
     payload (in the arena, at ``offsets[("dsend", peer)]``) and its own
     messages; a box sent to several peers is compared once. Brings the
-    snapshot entries it compared up to date. Returns the payloads by peer and
-    the snapshot keys encoded."""
+    snapshot entries it compared up to date. Returns the payloads by peer,
+    the snapshot keys encoded, and the parts whose count and snapshot copy
+    wait until their sends are posted (:func:`count_later`)."""
     import torch
 
     out: dict[int, Payload] = {}
+    later: list[tuple[Transfer, torch.Tensor, torch.Tensor]] = []
     done: dict[tuple, tuple[int, int, torch.Tensor]] = {}
     t0 = time.perf_counter()
     gather = 0.0
@@ -91,6 +101,17 @@ def encode_round(
                 new = snaps.new_values(t, tensor_of(t, "src"))
                 gather += time.perf_counter() - tg
                 snap = snaps.entry(t, device)
+                e = dtype_size(wire_dtype(t))
+                if predicted and own_message(DENSE, t.box.numel, e, big_bytes) and _in_place(new, tensor_of(t, "src")):
+                    # Sent straight from the source; counted and copied into the
+                    # snapshot once posted, while it is on the wire (its header says 0).
+                    hit = done[key] = (DENSE, 0, new.view(torch.uint8))
+                    later.append((t, new, snap))
+                    stats.delta_elements += t.box.numel
+                    stats.encodings["dense"] = stats.encodings.get("dense", 0) + 1
+                    rows.append((DENSE, 0))
+                    own.append(hit[2])
+                    continue
                 enc, k, n = encode_part(new, snap, buf.narrow(0, pos, dense_size(t)), speeds, dense=predicted)
                 snaps.encoded(t, k)
                 # A dense part's bytes are the snapshot's, now that it holds the new values.
@@ -112,7 +133,34 @@ def encode_round(
     # new values that are not one contiguous run of the wire dtype.
     stats.timed("encode", time.perf_counter() - t0)
     stats.timed("gather", gather)
-    return out, set(done)
+    return out, set(done), later
+
+
+def _in_place(new: torch.Tensor, src: torch.Tensor) -> bool:
+    """Whether ``new`` is a contiguous run of the source tensor itself (not a
+    cast or gathered copy), so it can be sent as it is."""
+    if new.dim() != 1 or not new.is_contiguous():
+        return False
+    start, end = src.data_ptr(), src.data_ptr() + src.numel() * src.element_size()
+    return start <= new.data_ptr() < end
+
+
+def count_later(later: list[tuple[Transfer, torch.Tensor, torch.Tensor]], snaps: Snapshots, stats: ExecStats) -> None:
+    """The parts :func:`encode_round` sent dense straight from the source:
+    count their changes and bring the snapshot up to date (after their
+    sends were posted: the source does not change during a refit)."""
+    import torch
+
+    if not later:
+        return
+    t0 = time.perf_counter()
+    none = torch.empty(0, dtype=torch.uint8)
+    for t, new, snap in later:
+        _, k, _ = encode_part(new, snap, none, dense=True)
+        snaps.encoded(t, k)
+        stats.delta_changed += k
+    stats.delta_seconds += time.perf_counter() - t0
+    stats.timed("encode", time.perf_counter() - t0)
 
 
 def predict_dense(t: Transfer, last: float | None, speeds: Speeds | None) -> bool:
@@ -160,7 +208,8 @@ def header_parts(transfers: list[Transfer], header: list[tuple[int, int]]) -> li
     for t, (enc, k) in zip(transfers, header, strict=True):
         n = t.box.numel
         try:
-            if not 0 <= k <= n or (enc == SAME) != (k == 0):
+            # A dense part may say 0: sent before its changes were counted.
+            if not 0 <= k <= n or (enc == SAME and k) or (enc not in (SAME, DENSE) and not k):
                 raise ValueError(f"{k} of {n} elements changed")
             size = part_size(enc, n, k, dtype_size(wire_dtype(t)))
         except ValueError as e:

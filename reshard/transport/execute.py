@@ -64,7 +64,14 @@ from reshard.plan.items import RankPlan, Round, Transfer
 from reshard.plan.layout import dtype_size
 from reshard.transport.checksum import checksum
 from reshard.transport.delta import DeltaRun
-from reshard.transport.delta_io import Payload, apply_payload, encode_round, header_parts, snapshot_dense
+from reshard.transport.delta_io import (
+    Payload,
+    apply_payload,
+    count_later,
+    encode_round,
+    header_parts,
+    snapshot_dense,
+)
 from reshard.transport.links import is_direct, no_wire_text, wire_transfers, without_direct
 from reshard.transport.messages import (
     BIG_BYTES,
@@ -428,7 +435,7 @@ class Executor:
         arena's half this round stages in."""
         staging_bytes, offsets = round_staging(rnd, self.big_bytes, self._delta_peers)
         offsets = {k: v + base for k, v in offsets.items()}
-        payloads, encoded, headers_in = self._deltas(rnd, offsets, stats)
+        payloads, encoded, headers_in, later = self._deltas(rnd, offsets, stats)
         recv_ops = self._receives(rnd, offsets, headers_in, stats)
         send_ops = self._sends(rnd, offsets, payloads, stats)
         delta = self.delta
@@ -438,23 +445,27 @@ class Executor:
         sums_in = self._checksum_buffers(recvs)
         keep: list = []
         works = self._post([(r.buf, r.peer, r.tag) for r in recvs], send_ops, sums_in, keep)
+        if later:
+            assert delta is not None and delta.snapshots is not None
+            count_later(later, delta.snapshots, stats)
         if self._direct_in or self._direct_out:
             self._read_direct(rnd, stats)
         return _Pending(rnd, recv_ops, works, staging_bytes, sums_in, keep)
 
     def _deltas(
         self, rnd: Round, offsets: dict[tuple, int], stats: ExecStats
-    ) -> tuple[dict[int, Payload], set[tuple], dict[int, list[tuple[int, int]]]]:
+    ) -> tuple[dict[int, Payload], set[tuple], dict[int, list[tuple[int, int]]], list]:
         """A delta refit's round: this rank's payloads to its delta peers,
         encoded into the arena (a sender), the transfers they cover, and the
         peers' headers, exchanged now (every delta rank). Empty without deltas."""
         delta = self.delta
         if delta is None:
-            return {}, set(), {}
+            return {}, set(), {}, []
         payloads: dict[int, Payload] = {}
         encoded: set[tuple] = set()
+        later: list = []
         if delta.snapshots is not None and self._arena is not None:
-            payloads, encoded = encode_round(
+            payloads, encoded, later = encode_round(
                 rnd,
                 self._delta_peers,
                 delta.snapshots,
@@ -466,7 +477,7 @@ class Executor:
                 speeds=delta.speeds,
                 big_bytes=self.big_bytes,
             )
-        return payloads, encoded, self._exchange_headers(rnd, payloads)
+        return payloads, encoded, self._exchange_headers(rnd, payloads), later
 
     def _receives(
         self, rnd: Round, offsets: dict[tuple, int], headers_in: dict[int, list[tuple[int, int]]], stats: ExecStats
