@@ -10,7 +10,8 @@ header carries and these two numbers.
 - ``wire_s_per_byte``: this rank's last refit whose bytes were mostly
   dense (the first refit of a group is, and so is any refit after a
   failure, or one whose parts went dense): its transfer seconds, less
-  the time it spent encoding, over the bytes it sent. It is what a dense
+  the time it spent encoding and keeping its snapshot (which the first
+  refit creates), over the bytes it sent. It is what a dense
   byte really costs on the way this group runs (links, the peers' speed at
   taking it, contention), not a link's nominal speed.
 - ``change_s``: measured once per process and device, by the encoder and
@@ -123,7 +124,9 @@ class SpeedMeter:
             change_seconds(device)
         if stats.bytes_sent < max(_MIN_BYTES, stats.dense_bytes // 4):
             return
-        seconds = stats.seconds - stats.phase_seconds.get("encode", 0.0)
+        # Less the delta work: encoding, and the snapshot's copy of dense parts
+        # (on the first refit also its creation, page faults and all).
+        seconds = stats.seconds - sum(stats.phase_seconds.get(p, 0.0) for p in ("encode", "snapshot"))
         if seconds > 0:
             self.wire_s_per_byte = seconds / stats.bytes_sent
 

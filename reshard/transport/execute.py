@@ -440,7 +440,9 @@ class Executor:
         send_ops = self._sends(rnd, offsets, payloads, stats)
         delta = self.delta
         if delta is not None and delta.snapshots is not None:
+            ts = time.perf_counter()
             snapshot_dense(rnd, self._delta_peers, delta.snapshots, encoded, self._tensor, self.device)
+            stats.timed("snapshot", time.perf_counter() - ts)
         recvs = [r for r in recv_ops if r.buf is not None]
         sums_in = self._checksum_buffers(recvs)
         keep: list = []

@@ -17,6 +17,7 @@ PHASES = {
     "encode": "delta parts encoded against the snapshot (the gather included)",
     "gather": "new values cast or gathered into one run of the wire dtype before they are encoded",
     "patch": "delta parts applied onto the base",
+    "snapshot": "a delta sender's snapshot of what it sent dense brought up to date (created, the first time)",
     "direct": "slices copied straight out of a colocated sender's memory",
     "copy": "local copies (source and destination on this rank)",
     "after_round": "the caller's work between rounds (an engine applying the layers whose bytes landed)",
