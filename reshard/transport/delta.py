@@ -171,6 +171,8 @@ class _Entry:
     """:func:`region_digest` of ``values`` (``None``: changed since taken)."""
     changed: float | None = None
     """The share of its elements that changed at its last encoding (``None``: never encoded)."""
+    uncounted: int = 0
+    """Refits since its changes were last counted (a part predicted dense is not always counted)."""
 
 
 class Snapshots:
@@ -298,11 +300,24 @@ class Snapshots:
         e = self.entries.get(snapshot_key(t))
         return None if e is None else e.changed
 
+    def recount(self, t: Transfer, every: int = 4) -> bool:
+        """Whether this refit counts the changes of ``t``'s part, predicted
+        dense: every ``every``-th refit (else the snapshot is only copied)."""
+        e = self.entries.get(snapshot_key(t))
+        if e is None:
+            return True
+        e.uncounted += 1
+        if e.uncounted >= every:
+            e.uncounted = 0
+            return True
+        return False
+
     def encoded(self, t: Transfer, k: int) -> None:
         """``k`` of ``t``'s elements changed in this encoding (what the next refit predicts from)."""
         e = self.entries.get(snapshot_key(t))
         if e is not None and t.box.numel:
             e.changed = k / t.box.numel
+            e.uncounted = 0
 
     def new_values(self, t: Transfer, src: torch.Tensor) -> torch.Tensor:
         """``t``'s new values: its region of source tensor ``src`` in the wire

@@ -81,7 +81,7 @@ def encode_round(
     import torch
 
     out: dict[int, Payload] = {}
-    later: list[tuple[Transfer, torch.Tensor, torch.Tensor]] = []
+    later: list[tuple[Transfer, torch.Tensor, torch.Tensor, bool]] = []
     done: dict[tuple, tuple[int, int, torch.Tensor]] = {}
     t0 = time.perf_counter()
     gather = 0.0
@@ -102,12 +102,23 @@ def encode_round(
                 gather += time.perf_counter() - tg
                 snap = snaps.entry(t, device)
                 e = dtype_size(wire_dtype(t))
-                if predicted and own_message(DENSE, t.box.numel, e, big_bytes) and _in_place(new, tensor_of(t, "src")):
-                    # Sent straight from the source; counted and copied into the
-                    # snapshot once posted, while it is on the wire (its header says 0).
-                    hit = done[key] = (DENSE, 0, new.view(torch.uint8))
-                    later.append((t, new, snap))
-                    stats.delta_elements += t.box.numel
+                if predicted and own_message(DENSE, t.box.numel, e, big_bytes):
+                    # A message of its own: its header says 0 (not counted before
+                    # it is sent). Counted only every RECOUNT-th refit, to see
+                    # whether it still goes dense; otherwise the snapshot is
+                    # only copied. A contiguous run of the source is sent from
+                    # it at once and copied once posted, while on the wire.
+                    count = snaps.recount(t, RECOUNT)
+                    if _in_place(new, tensor_of(t, "src")):
+                        hit = done[key] = (DENSE, 0, new.view(torch.uint8))
+                        later.append((t, new, snap, count))
+                    else:
+                        if count:
+                            _, k, _ = encode_part(new, snap, buf.narrow(0, pos, 0), dense=True)
+                            _counted(snaps, t, k, stats)
+                        else:
+                            snap.view(new.shape).copy_(new)
+                        hit = done[key] = (DENSE, 0, snap.view(torch.uint8))
                     stats.encodings["dense"] = stats.encodings.get("dense", 0) + 1
                     rows.append((DENSE, 0))
                     own.append(hit[2])
@@ -145,20 +156,35 @@ def _in_place(new: torch.Tensor, src: torch.Tensor) -> bool:
     return start <= new.data_ptr() < end
 
 
-def count_later(later: list[tuple[Transfer, torch.Tensor, torch.Tensor]], snaps: Snapshots, stats: ExecStats) -> None:
+RECOUNT = 4
+"""A part predicted dense has its changes counted every this many refits
+(the others only copy the snapshot): what tells the sender that a part
+pays as a delta again."""
+
+
+def _counted(snaps: Snapshots, t: Transfer, k: int, stats: ExecStats) -> None:
+    snaps.encoded(t, k)
+    stats.delta_elements += t.box.numel
+    stats.delta_changed += k
+
+
+def count_later(later: list, snaps: Snapshots, stats: ExecStats) -> None:
     """The parts :func:`encode_round` sent dense straight from the source:
-    count their changes and bring the snapshot up to date (after their
-    sends were posted: the source does not change during a refit)."""
+    bring the snapshot up to date (counting their changes, when it is their
+    refit to be counted), after their sends were posted (the source does
+    not change during a refit)."""
     import torch
 
     if not later:
         return
     t0 = time.perf_counter()
     none = torch.empty(0, dtype=torch.uint8)
-    for t, new, snap in later:
-        _, k, _ = encode_part(new, snap, none, dense=True)
-        snaps.encoded(t, k)
-        stats.delta_changed += k
+    for t, new, snap, count in later:
+        if count:
+            _, k, _ = encode_part(new, snap, none, dense=True)
+            _counted(snaps, t, k, stats)
+        else:
+            snap.copy_(new)
     stats.delta_seconds += time.perf_counter() - t0
     stats.timed("encode", time.perf_counter() - t0)
 
