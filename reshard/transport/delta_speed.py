@@ -53,9 +53,12 @@ _lock = threading.Lock()
 _change_s: dict[str, float] = {}
 
 
-def change_seconds(device: torch.device) -> float:
+def change_seconds(device: torch.device | str) -> float:
     """Seconds one changed element costs to gather and to patch on ``device``
     (measured once per process and device type; see the module docstring)."""
+    import torch
+
+    device = torch.device(device)
     key = device.type
     with _lock:
         if key in _change_s:
@@ -115,7 +118,7 @@ class SpeedMeter:
         self.pinned: Speeds | None = None
         """Speeds to use instead of measuring (``None``: measure)."""
 
-    def saw(self, stats: ExecStats, device: torch.device) -> None:
+    def saw(self, stats: ExecStats, device: torch.device | str) -> None:
         """After a successful refit: take the wire speed from it if its bytes
         were mostly dense (at least a quarter of a dense refit's: a float32
         trainer's dense parts travel in the engines' bf16), and calibrate
@@ -130,7 +133,7 @@ class SpeedMeter:
         if seconds > 0:
             self.wire_s_per_byte = seconds / stats.bytes_sent
 
-    def speeds(self, device: torch.device) -> Speeds | None:
+    def speeds(self, device: torch.device | str) -> Speeds | None:
         """The speeds a refit's choices use (``None``: bytes alone decide)."""
         if self.pinned is not None:
             return self.pinned
