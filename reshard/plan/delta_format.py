@@ -24,9 +24,16 @@ encoding   sections, in order (each starts at a multiple of 8)    size
 
 A change costs its value and 2 bytes in ``sparse`` (a flat 32-bit index
 would cost 4). Ahead of its payload a sender sends a header per transfer,
-``(encoding, k)`` as two int64 (:data:`HEADER_BYTES`); the choice depends
-only on ``(n, k, e)`` (:func:`choose`), so the receiver knows every part's
-size before it arrives.
+``(encoding, k)`` as two int64 (:data:`HEADER_BYTES`), so the receiver
+knows every part's size before it arrives, whatever the sender chose.
+
+The choice (:func:`choose`): the smallest encoding, unless it would not pay
+in time (:class:`Speeds`, measured by the sender): a part whose changes
+cost more to gather and patch than its saved bytes take on the wire goes
+``dense``. A ``dense`` part of at least the executor's big-message size is a
+message of its own, sent from the sender's snapshot and received in place;
+smaller parts travel back to back in the round's payload
+(:func:`own_message`).
 """
 
 from __future__ import annotations
@@ -47,12 +54,16 @@ __all__ = [
     "SAME",
     "SPARSE",
     "Sections",
+    "Speeds",
     "blocks",
     "choose",
+    "dense_from",
     "dense_size",
     "mask_bytes",
+    "own_message",
     "pad",
     "part_size",
+    "pays",
     "sections",
     "wire_dtype",
     "wire_ratio",
@@ -116,8 +127,42 @@ def part_size(enc: int, n: int, k: int, itemsize: int) -> int:
     return sections(enc, n, k, itemsize).size
 
 
-def choose(n: int, k: int, itemsize: int) -> int:
-    """The smallest exact encoding (ties: ``dense``, then ``sparse``)."""
+class Speeds(NamedTuple):
+    """What a delta costs in time beside a pass over the data (which a dense
+    part kept in the snapshot takes too): measured by the sender
+    (:mod:`reshard.transport.delta_speed` says how)."""
+
+    wire_s_per_byte: float
+    """Seconds a byte costs on this rank's links (from its last dense refit)."""
+    change_s: float
+    """Seconds one changed element costs: the sender gathering it, the receiver patching it."""
+
+
+def pays(n: int, k: int, itemsize: int, speeds: Speeds | None) -> bool:
+    """Whether the smallest exact encoding of a part (``k`` of ``n`` elements
+    of ``itemsize`` bytes changed) takes less time than sending it dense:
+    its bytes on the wire plus ``k`` changes gathered and patched, against
+    the dense bytes on the wire. ``speeds=None``: bytes alone decide."""
+    best = _smallest(n, k, itemsize)
+    if best in (SAME, DENSE) or speeds is None:
+        return best != DENSE
+    wire = speeds.wire_s_per_byte
+    delta = part_size(best, n, k, itemsize) * wire + k * speeds.change_s
+    return delta < part_size(DENSE, n, k, itemsize) * wire
+
+
+def choose(n: int, k: int, itemsize: int, speeds: Speeds | None = None) -> int:
+    """The encoding a sender writes: ``same`` when nothing changed, else the
+    smallest exact one (ties: ``dense``, then ``sparse``), or ``dense`` when
+    that does not pay in time (:func:`pays`). As ``k`` grows the choice only
+    moves from ``same`` to ``sparse``, ``bitmask`` and ``dense``."""
+    best = _smallest(n, k, itemsize)
+    if best in (SAME, DENSE) or pays(n, k, itemsize, speeds):
+        return best
+    return DENSE
+
+
+def _smallest(n: int, k: int, itemsize: int) -> int:
     if k == 0:
         return SAME
     best, size = DENSE, part_size(DENSE, n, k, itemsize)
@@ -126,6 +171,28 @@ def choose(n: int, k: int, itemsize: int) -> int:
         if s < size:
             best, size = enc, s
     return best
+
+
+def dense_from(n: int, itemsize: int, speeds: Speeds | None = None, encs: tuple[int, ...] = (DENSE,)) -> int:
+    """The smallest count of changed elements (of ``n``) whose choice is one
+    of ``encs`` (``n + 1``: none is); by bisection, the choice being monotone
+    in the count. An encoder records changes only as the encoding that
+    count will end in needs (and none once it goes ``dense``)."""
+    lo, hi = 1, n + 1
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if choose(n, mid, itemsize, speeds) in encs:
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
+
+
+def own_message(enc: int, n: int, itemsize: int, big_bytes: int) -> bool:
+    """Whether a part travels as a message of its own (a ``dense`` part of at
+    least ``big_bytes``: sent from the snapshot, received in place where its
+    destination is contiguous) rather than inside the round's payload."""
+    return enc == DENSE and n * itemsize >= big_bytes
 
 
 def wire_dtype(t: Transfer) -> str:

@@ -41,9 +41,10 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from reshard.plan.delta_format import wire_dtype
+from reshard.plan.delta_format import Speeds, wire_dtype
 from reshard.plan.items import RankPlan, Transfer
 from reshard.plan.layout import dtype_size
+from reshard.transport.delta_speed import SpeedMeter
 from reshard.transport.messages import local_view, torch_dtype
 
 if TYPE_CHECKING:
@@ -168,6 +169,10 @@ class _Entry:
     """The values last sent for the key, 1-D, in the wire dtype."""
     digest: int | None = None
     """:func:`region_digest` of ``values`` (``None``: changed since taken)."""
+    changed: float | None = None
+    """The share of its elements that changed at its last encoding (``None``: never encoded)."""
+    uncounted: int = 0
+    """Refits since its changes were last counted (a part predicted dense is not always counted)."""
 
 
 class Snapshots:
@@ -290,16 +295,47 @@ class Snapshots:
         e.digest = None
         return e.values
 
+    def last_changed(self, t: Transfer) -> float | None:
+        """The share of ``t``'s elements that changed when its box was last encoded."""
+        e = self.entries.get(snapshot_key(t))
+        return None if e is None else e.changed
+
+    def recount(self, t: Transfer, every: int = 4) -> bool:
+        """Whether this refit counts the changes of ``t``'s part, predicted
+        dense: every ``every``-th refit (else the snapshot is only copied)."""
+        e = self.entries.get(snapshot_key(t))
+        if e is None:
+            return True
+        e.uncounted += 1
+        if e.uncounted >= every:
+            e.uncounted = 0
+            return True
+        return False
+
+    def encoded(self, t: Transfer, k: int) -> None:
+        """``k`` of ``t``'s elements changed in this encoding (what the next refit predicts from)."""
+        e = self.entries.get(snapshot_key(t))
+        if e is not None and t.box.numel:
+            e.changed = k / t.box.numel
+            e.uncounted = 0
+
     def new_values(self, t: Transfer, src: torch.Tensor) -> torch.Tensor:
         """``t``'s new values: its region of source tensor ``src`` in the wire
-        dtype, contiguous and 1-D (a view when it already is one, else a copy
-        in the scratch buffer, valid until the next call)."""
+        dtype, contiguous and 1-D (a view when it already is one), or on the
+        host a 2-D view of its rows when they are contiguous runs of the
+        source (the encoder reads them in place), else a copy in the scratch
+        buffer, valid until the next call."""
         import torch
 
         view = local_view(src, t.src, t.box)
         wdt = torch_dtype(wire_dtype(t))
         if view.dtype == wdt and view.is_contiguous():
             return view.reshape(-1)
+        if view.dtype == wdt and view.device.type == "cpu" and view.dim() >= 2 and view.stride(-1) == 1:
+            try:  # rows of the source (a column slice): read in place where the encoder can
+                return view.view(-1, view.shape[-1])
+            except RuntimeError:
+                pass
         need = t.box.numel * dtype_size(wire_dtype(t))
         if self._scratch is None or self._scratch.numel() < need or self._scratch.device != view.device:
             self._scratch = torch.empty(need, dtype=torch.uint8, device=view.device)
@@ -323,6 +359,8 @@ class DeltaState:
     """Why ``base`` is 0."""
     snapshots: Snapshots | None = None
     """A sender's snapshot."""
+    speeds: SpeedMeter = field(default_factory=SpeedMeter)
+    """A sender's measured speeds, which decide when a part goes dense (:mod:`reshard.transport.delta_speed`)."""
     budget_bytes: int | None = None
     private: bool = False
     """A receiver whose base only reshard writes (a vLLM worker's buffers):
@@ -414,5 +452,7 @@ class DeltaRun:
     """Peers it could have, that move dense this refit, with why."""
     snapshots: Snapshots | None = None
     """A sender's snapshot (updated as it sends, dense peers' boxes included)."""
+    speeds: Speeds | None = None
+    """A sender's speeds for this refit's choices (``None``: the smallest encoding)."""
     touched: set[str] = field(default_factory=set)
     """A receiver's local tensors whose values changed in this refit (filled by the executor)."""

@@ -28,6 +28,7 @@ from reshard.plan.delta_format import (
     SAME,
     SPARSE,
     Sections,
+    Speeds,
     blocks,
     choose,
     mask_bytes,
@@ -63,24 +64,74 @@ def _np(t: torch.Tensor) -> Any:
 # -- encode (sender) -------------------------------------------------------------------
 
 
-def encode_part(new: torch.Tensor, snap: torch.Tensor, out: torch.Tensor) -> tuple[int, int, int]:
+def encode_part(
+    new: torch.Tensor, snap: torch.Tensor, out: torch.Tensor, speeds: Speeds | None = None, *, dense: bool = False
+) -> tuple[int, int, int]:
     """Encode ``new`` against ``snap`` into ``out`` and make ``snap`` equal ``new``.
 
-    ``new`` and ``snap``: contiguous 1-D tensors of the wire dtype, ``n``
-    elements each; ``out``: a uint8 tensor of at least
-    ``delta_format.part_size(DENSE, n, 0, e)`` bytes.
-    Returns ``(encoding, k, bytes written)``."""
+    ``new`` and ``snap``: tensors of the wire dtype, ``n`` elements each,
+    ``snap`` contiguous and 1-D, ``new`` too or 2-D with contiguous rows (the
+    part in row-major order: rows of a larger tensor, read in place by the
+    compiled path, gathered first by the others); ``out``: a uint8 tensor of at least
+    ``delta_format.part_size(DENSE, n, 0, e)`` bytes. The encoding is
+    ``delta_format.choose(n, k, e, speeds)``; a ``dense`` part is not
+    written to ``out`` (its bytes are the snapshot's, afterwards).
+    ``dense``: the part goes ``dense`` if anything changed, whatever the
+    count (the sender predicted it would; changes are only counted).
+    Returns ``(encoding, k, the part's bytes)``."""
     n = new.numel()
     if snap.numel() != n or snap.dtype != new.dtype:
         raise ValueError(f"snapshot of {snap.numel()} {snap.dtype} for {n} {new.dtype} values")
     e = new.element_size()
+    if new.dim() != 1 and not _rows_in_place(new):
+        new = new.contiguous().view(-1)
+    if dense:
+        return _count_copy(new, snap, out, n, e)
     if new.device.type == "cpu":
-        return _encode_np(new, snap, out, n, e)
-    return _encode_torch(new, snap, out, n, e)
+        return _encode_np(new, snap, out, n, e, speeds)
+    return _encode_torch(new, snap, out, n, e, speeds)
+
+
+def _rows_in_place(new: torch.Tensor) -> bool:
+    """Whether the compiled path reads ``new`` (2-D, contiguous rows) as it is."""
+    if new.device.type != "cpu" or new.dim() != 2 or new.stride(1) != 1 or new.element_size() == 16:
+        return False
+    if os.environ.get("RESHARD_NUMBA", "1") == "0":
+        return False
+    from reshard.transport import encoding_jit
+
+    return encoding_jit.available()
+
+
+def _count_copy(new: torch.Tensor, snap: torch.Tensor, out: torch.Tensor, n: int, e: int) -> tuple[int, int, int]:
+    """A part sent ``dense`` whatever changed: count the changes, copy the values."""
+    if new.device.type == "cpu":
+        a, b = _np(_bits(new)), _np(_bits(snap))
+        if os.environ.get("RESHARD_NUMBA", "1") != "0":
+            from reshard.transport import encoding_jit
+
+            done = encoding_jit.encode(a, b, _np(out), n, e, dense=True) if encoding_jit.available() else None
+            if done is not None:
+                return done
+        new = new.contiguous().view(-1)
+        k = _count_np(_np(_bits(new)), b)
+    else:
+        m = _bits(new) != _bits(snap)
+        k = int((m.any(dim=1) if m.dim() == 2 else m).sum())
+    snap.copy_(new)
+    enc = DENSE if k else SAME
+    return enc, k, part_size(enc, n, k, e)
 
 
 def _encode_np(
-    new: torch.Tensor, snap: torch.Tensor, out: torch.Tensor, n: int, e: int, *, jit: bool = True
+    new: torch.Tensor,
+    snap: torch.Tensor,
+    out: torch.Tensor,
+    n: int,
+    e: int,
+    speeds: Speeds | None = None,
+    *,
+    jit: bool = True,
 ) -> tuple[int, int, int]:
     import numpy as np
 
@@ -88,18 +139,17 @@ def _encode_np(
     if jit:
         from reshard.transport import encoding_jit
 
-        done = encoding_jit.encode(a, b, _np(out), n, e) if encoding_jit.available() else None
+        done = encoding_jit.encode(a, b, _np(out), n, e, speeds) if encoding_jit.available() else None
         if done is not None:
             return done
-    idx, vals, k = _changed_np(a, b, n, e)
-    enc = DENSE if idx is None else choose(n, k, e)
+    if new.dim() == 2 and e != 16:  # rows the compiled path did not take
+        a = _np(_bits(new.contiguous().view(-1)))
+    idx, vals, k = _changed_np(a, b, n, e, speeds)
+    enc = DENSE if idx is None else choose(n, k, e, speeds)
     sec = sections(enc, n, k, e)
-    if enc == SAME:
-        return enc, k, 0
-    o = _np(out[: sec.size])
-    if enc == DENSE:
-        o[: sec.values] = a.reshape(-1).view(np.uint8)
+    if enc in (SAME, DENSE):
         return enc, k, sec.size
+    o = _np(out[: sec.size])
     assert idx is not None and vals is not None
     o[: sec.values] = vals.reshape(-1).view(np.uint8)
     if enc == SPARSE:
@@ -121,12 +171,12 @@ words are looked at element by element, their values read and the snapshot
 written."""
 
 
-def _changed_np(a: Any, b: Any, n: int, e: int) -> tuple[Any, Any, int]:
+def _changed_np(a: Any, b: Any, n: int, e: int, speeds: Speeds | None = None) -> tuple[Any, Any, int]:
     """Compare new values ``a`` with the snapshot ``b`` (integer views) and make
     ``b`` equal ``a``. Returns ``(positions, values, k)`` of the ``k`` elements
     whose bits differed (sorted int64, and their new values); or ``(None,
     None, k)`` as soon as so many 8-byte words differ that ``dense`` is the
-    smallest encoding whatever their count.
+    choice whatever their count.
 
     Elements narrower than 8 bytes are compared a word (8 bytes) at a time,
     chunk by chunk, and only the words that differ are split into elements
@@ -170,7 +220,7 @@ def _changed_np(a: Any, b: Any, n: int, e: int) -> tuple[Any, Any, int]:
         found.append(el + s * lanes)
         values.append(v)
         k += el.size
-        if choose(n, changed_words, e) == DENSE:
+        if choose(n, changed_words, e, speeds) == DENSE:
             # Dense whatever the rest holds: count it, copy it all.
             rest = min((s + _CHUNK) * lanes, full)
             k += _count_np(a[rest:], b[rest:])
@@ -207,7 +257,9 @@ def _count_np(a: Any, b: Any) -> int:
     return total
 
 
-def _encode_torch(new: torch.Tensor, snap: torch.Tensor, out: torch.Tensor, n: int, e: int) -> tuple[int, int, int]:
+def _encode_torch(
+    new: torch.Tensor, snap: torch.Tensor, out: torch.Tensor, n: int, e: int, speeds: Speeds | None = None
+) -> tuple[int, int, int]:
     import torch
 
     a, b = _bits(new), _bits(snap)
@@ -215,12 +267,11 @@ def _encode_torch(new: torch.Tensor, snap: torch.Tensor, out: torch.Tensor, n: i
     if m.dim() == 2:
         m = m.any(dim=1)
     k = int(m.sum())
-    enc = choose(n, k, e)
+    enc = choose(n, k, e, speeds)
     sec = sections(enc, n, k, e)
     if enc == SAME:
         return enc, k, 0
     if enc == DENSE:
-        out[: sec.values].copy_(new.view(torch.uint8))
         snap.copy_(new)
         return enc, k, sec.size
     idx = m.nonzero().flatten()

@@ -6,12 +6,16 @@ compare them), in one pass over the data instead of a dozen vectorized
 ones: on CPU a delta is bound by reading the new values and the snapshot,
 and numpy spends as long again finding the few elements that changed.
 
-Pass 1 compares 8 bytes at a time (elements one by one at the tail and
-inside the words that differ), writes every changed value to the front of
-the payload, sets a flag bit per changed element and brings the snapshot up
-to date. The encoding is then chosen from the count; ``sparse`` takes a
-second, short pass over the flag bits (1 bit per element) to write the
-block counts and 16-bit offsets.
+One pass compares 4 words of 8 bytes at a time (elements one by one at
+the tail and inside the words that differ), brings the snapshot up to date,
+and records each changed element as the encoding its count will end in
+needs: value and 16-bit offset while ``sparse`` is the choice, value and
+flag bit once it is ``bitmask``, nothing once it is ``dense`` (from then on
+the words are only counted, a word at a time, and copied). The points
+where the choice changes come from
+:func:`reshard.plan.delta_format.dense_from`, with the sender's measured
+speeds, so a part that will go dense costs a counting copy, not the
+gathering of values nobody will read.
 """
 
 from __future__ import annotations
@@ -27,8 +31,10 @@ from reshard.plan.delta_format import (
     DENSE,
     SAME,
     SPARSE,
+    Speeds,
     blocks,
     choose,
+    dense_from,
     mask_bytes,
     sections,
 )
@@ -89,22 +95,45 @@ def _build() -> Any:
         return 1
 
     @jit
-    def diff(aw, bw, a, b, lanes, lane_bits, vals, low, counts, bits, to_bits, to_dense, mode):
-        # One pass over the data: 4 words (8 bytes each) compared at once, the
-        # rare words that differ split into their elements by their XOR, the
-        # snapshot word written back. Each changed element is recorded as the
-        # encoding it will end in needs, as the count grows past the points
-        # where the smallest encoding changes (sparse, then bitmask, then
-        # dense: the choice only moves that way as changes add up):
-        # mode 0 its value, its 16-bit offset and its block's count; mode 1
-        # its value and its bit (the bits of the offsets recorded so far set
-        # at the switch); mode 2 nothing (dense sends every value). Returns
-        # the number of changed elements.
-        k = 0
+    def lanes_set(d, lane_bits, low_bits):
+        # How many lanes (elements) of word d are not zero, without a branch:
+        # the high bit of each lane is set when the lane is not zero (adding
+        # the low bits' all-ones carries into it), those bits are moved to
+        # each lane's lowest bit and summed by one multiplication.
+        high = low_bits << numba.uint64(lane_bits - 1)
+        rest = ~high
+        y = (((d & rest) + rest) | d) & high
+        return numba.int64(((y >> numba.uint64(lane_bits - 1)) * low_bits) >> numba.uint64(64 - lane_bits))
+
+    @jit
+    def record(i, k, mode, a_i, vals, low, counts, bits, to_bits, to_dense):
+        # Element i (value a_i) changed: record it as the mode says, count it,
+        # and switch modes as the count passes the points where the choice changes.
+        if mode == 0:
+            vals[k] = a_i
+            low[k] = numba.uint16(i & (BLOCK - 1))
+            counts[i >> BLOCK_SHIFT] += 1
+        elif mode == 1:
+            vals[k] = a_i
+            bits[i >> 3] |= numba.uint8(1) << numba.uint8(i & 7)
+        k += 1
+        if k == to_dense:
+            mode = 2
+        elif mode == 0 and k == to_bits:
+            mode = _to_bits(low, counts, bits, k)
+        return k, mode
+
+    @jit
+    def row(aw, bw, a, b, at, k, mode, lanes, lane_bits, vals, low, counts, bits, to_bits, to_dense):
+        # One contiguous run of the part (its elements at..at+len(a)), as
+        # words aw/bw and as elements a/b (the words cover a's front).
         nw = aw.shape[0]
         mask = (numba.uint64(1) << numba.uint64(lane_bits)) - numba.uint64(1) if lane_bits < 64 else ~numba.uint64(0)
+        low_bits = numba.uint64(0)
+        for j in range(lanes):
+            low_bits |= numba.uint64(1) << numba.uint64(j * lane_bits)
         w = 0
-        while w < nw:
+        while w < nw and mode != 2:
             end = min(w + 4, nw)
             acc = numba.uint64(0)
             for v in range(w, end):
@@ -116,39 +145,80 @@ def _build() -> Any:
                 d = numba.uint64(aw[v] ^ bw[v])
                 if d == 0:
                     continue
-                base = v * lanes
-                for j in range(lanes):
-                    if (d >> numba.uint64(j * lane_bits)) & mask:
-                        i = base + j
-                        if mode == 0:
-                            vals[k] = a[i]
-                            low[k] = numba.uint16(i & (BLOCK - 1))
-                            counts[i >> BLOCK_SHIFT] += 1
-                        elif mode == 1:
-                            vals[k] = a[i]
-                            bits[i >> 3] |= numba.uint8(1) << numba.uint8(i & 7)
-                        k += 1
-                        if mode == 0 and k == to_bits:
-                            mode = _to_bits(low, counts, bits, k)
-                        if mode == 1 and k == to_dense:
-                            mode = 2
+                if mode == 2:
+                    k += lanes_set(d, lane_bits, low_bits)
+                else:
+                    for j in range(lanes):
+                        if (d >> numba.uint64(j * lane_bits)) & mask:
+                            i = v * lanes + j
+                            k, mode = record(at + i, k, mode, a[i], vals, low, counts, bits, to_bits, to_dense)
                 bw[v] = aw[v]
             w = end
+        for v in range(w, nw):  # mode 2: counted and copied only, without a branch
+            k += lanes_set(numba.uint64(aw[v] ^ bw[v]), lane_bits, low_bits)
+            bw[v] = aw[v]
         for i in range(nw * lanes, a.shape[0]):
             if a[i] != b[i]:
-                if mode == 0:
-                    vals[k] = a[i]
-                    low[k] = numba.uint16(i & (BLOCK - 1))
-                    counts[i >> BLOCK_SHIFT] += 1
-                elif mode == 1:
-                    vals[k] = a[i]
-                    bits[i >> 3] |= numba.uint8(1) << numba.uint8(i & 7)
+                k, mode = record(at + i, k, mode, a[i], vals, low, counts, bits, to_bits, to_dense)
                 b[i] = a[i]
-                k += 1
-                if mode == 0 and k == to_bits:
-                    mode = _to_bits(low, counts, bits, k)
-                if mode == 1 and k == to_dense:
-                    mode = 2
+        return k, mode
+
+    # Explicit signatures with arrays of any layout: a part that is one run
+    # and a part that is rows of a larger tensor take the same compiled code
+    # (compiled once, when the kernels are built, not halfway through a refit).
+    sigs = [
+        numba.int64(
+            numba.int64[:, :],
+            numba.int64[:, :],
+            t[:, :],
+            t[:, :],
+            numba.int64,
+            numba.int64,
+            t[:],
+            numba.uint16[:],
+            numba.int32[:],
+            numba.uint8[:],
+            numba.int64,
+            numba.int64,
+            numba.int64,
+        )
+        for t in (numba.int8, numba.int16, numba.int32, numba.int64)
+    ]
+
+    @numba.njit(sigs, cache=True, nogil=True)
+    def diff(aw, bw, a, b, lanes, lane_bits, vals, low, counts, bits, to_bits, to_dense, mode):
+        # One pass over the data, row by row (a part whose new values are rows
+        # of a larger tensor is read in place): 4 words (8 bytes each)
+        # compared at once, the rare words that differ split into their
+        # elements by their XOR, the snapshot word written back. Each
+        # changed element is recorded as the encoding it will end in needs,
+        # as the count grows past the points where the choice changes
+        # (sparse, then bitmask, then dense: the choice only moves that way
+        # as changes add up): mode 0 its value, its 16-bit offset and its
+        # block's count; mode 1 its value and its bit (the bits of the
+        # offsets recorded so far set at the switch); mode 2 nothing (a dense
+        # part is sent from the snapshot), the rest of the data only counted
+        # and copied, a word at a time. Returns the number of changed elements.
+        k = 0
+        width = a.shape[1]
+        for r in range(a.shape[0]):
+            k, mode = row(
+                aw[r],
+                bw[r],
+                a[r],
+                b[r],
+                r * width,
+                k,
+                mode,
+                lanes,
+                lane_bits,
+                vals,
+                low,
+                counts,
+                bits,
+                to_bits,
+                to_dense,
+            )
         return k
 
     @jit
@@ -222,21 +292,11 @@ def _warm(dtype: Any) -> bool:
         bits = np.zeros(8, dtype=np.uint8)
         low, counts = np.zeros(a.size, dtype=np.uint16), np.zeros(1, dtype=np.int32)
         lanes = 8 // dtype.itemsize
+        x, y = a.reshape(1, -1), b.reshape(1, -1)
+        x, y = x[:, : x.shape[1] - x.shape[1] % lanes], y[:, : y.shape[1] - y.shape[1] % lanes]
         for mode in (0, 1, 2):
             diff(
-                a[: a.size - a.size % lanes].view(np.int64),
-                b[: b.size - b.size % lanes].view(np.int64),
-                a,
-                b,
-                lanes,
-                8 * dtype.itemsize,
-                vals,
-                low,
-                counts,
-                bits,
-                1,
-                2,
-                mode,
+                x.view(np.int64), y.view(np.int64), x, y, lanes, 8 * dtype.itemsize, vals, low, counts, bits, 1, 2, mode
             )
         apply_sparse(a, vals[:0], np.zeros(1, dtype=np.int32), np.zeros(0, dtype=np.uint16), a.size)
         popcount = np.zeros(256, dtype=np.int64)
@@ -269,52 +329,42 @@ def _scratch(n: int) -> tuple[Any, Any, Any]:
     return low, counts, bits
 
 
-def _first(n: int, e: int, encs: tuple[int, ...]) -> int:
-    """The smallest count of changed elements (of ``n``) whose smallest
-    encoding is none of ``encs`` (``n + 1``: there is none). The choice only
-    moves from ``same`` to ``sparse``, ``bitmask`` and ``dense`` as the
-    count grows, so a bisection finds it."""
-    lo, hi = 0, n + 1
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if mid <= n and choose(n, mid, e) in encs:
-            lo = mid + 1
-        else:
-            hi = mid
-    return lo
-
-
-def encode(a: Any, b: Any, o: Any, n: int, e: int, *, dense: bool = False) -> tuple[int, int, int] | None:
+def encode(
+    a: Any, b: Any, o: Any, n: int, e: int, speeds: Speeds | None = None, *, dense: bool = False
+) -> tuple[int, int, int] | None:
     """The compiled ``encode_part`` on CPU:
-    ``a``, ``b`` integer views (new values, snapshot), ``o`` the payload's
-    bytes (at least a dense part's). ``dense``: the part goes dense whatever
-    changed (the snapshot is brought up to date and the changes counted, no
-    position recorded). ``None`` when this path does not apply (16-byte
-    elements); the caller takes the numpy path then."""
+    ``a``, ``b`` integer views (new values, 1-D or 2-D with contiguous rows;
+    snapshot, contiguous), ``o`` the payload's
+    bytes (at least a dense part's). A ``dense`` part is not written (the
+    snapshot holds its values). ``dense``: the part goes dense if anything
+    changed (changes counted and copied only). ``None`` when this path does
+    not apply (16-byte elements); the caller takes the numpy path then."""
     import numpy as np
 
     kernels = _compiled()
-    if kernels is None or e == 16 or a.ndim != 1 or not _warm(a.dtype):
+    if kernels is None or e == 16 or a.ndim not in (1, 2) or not _warm(a.dtype):
         return None
     diff = kernels[0]
     vals = o[: n * e].view(a.dtype)
+    # Rows (one for a contiguous part): the new values may be rows of a larger
+    # tensor, read in place; the snapshot is contiguous, viewed the same way.
+    a = a.reshape(1, -1) if a.ndim == 1 else a
+    b = b.reshape(a.shape)
     with _S.lock:  # one scratch per process
         low, counts, bits = _scratch(n)
         lanes = 8 // e
-        aligned = a.ctypes.data % 8 == 0 and b.ctypes.data % 8 == 0
+        width = a.shape[1]
+        aligned = all(x.ctypes.data % 8 == 0 and x.strides[0] % 8 == 0 for x in (a, b))
         # Unaligned data goes element by element (the kernel's tail loop).
-        full = n - n % lanes if aligned else 0
-        words_a, words_b = a[:full].view(np.int64), b[:full].view(np.int64)
-        to_bits = _first(n, e, (SAME, SPARSE))
-        to_dense = _first(n, e, (SAME, SPARSE, BITMASK))
+        full = width - width % lanes if aligned else 0
+        words_a, words_b = a[:, :full].view(np.int64), b[:, :full].view(np.int64)
+        to_bits = dense_from(n, e, speeds, (BITMASK, DENSE))
+        to_dense = dense_from(n, e, speeds)
         mode = 2 if dense else 0
         k = diff(words_a, words_b, a, b, lanes, 8 * e, vals, low, counts, bits, to_bits, to_dense, mode)
-        enc = DENSE if dense and k else choose(n, k, e)
+        enc = (DENSE if k else SAME) if dense else choose(n, k, e, speeds)
         sec = sections(enc, n, k, e)
-        if enc == SAME:
-            return enc, k, 0
-        if enc == DENSE:
-            o[: sec.values] = a.view(np.uint8)
+        if enc in (SAME, DENSE):
             return enc, k, sec.size
         if enc == SPARSE:
             nb = blocks(n)

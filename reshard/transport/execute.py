@@ -59,11 +59,19 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NamedTuple
 
 from reshard.errors import RefitError
-from reshard.plan.delta_format import HEADER_BYTES
+from reshard.plan.delta_format import HEADER_BYTES, own_message, pad, wire_dtype
 from reshard.plan.items import RankPlan, Round, Transfer
+from reshard.plan.layout import dtype_size
 from reshard.transport.checksum import checksum
 from reshard.transport.delta import DeltaRun
-from reshard.transport.delta_io import Payload, apply_payload, encode_round, header_parts, snapshot_dense
+from reshard.transport.delta_io import (
+    Payload,
+    apply_payload,
+    count_later,
+    encode_round,
+    header_parts,
+    snapshot_dense,
+)
 from reshard.transport.links import is_direct, no_wire_text, wire_transfers, without_direct
 from reshard.transport.messages import (
     BIG_BYTES,
@@ -131,6 +139,9 @@ class _Recv:
     arena, unpacked after) or ``delta`` (a payload, applied after)."""
     parts: list[tuple[int, int, int]] = field(default_factory=list)
     """A delta payload's parts: ``(encoding, changed, bytes)`` per transfer."""
+    own: dict[int, torch.Tensor | None] = field(default_factory=dict)
+    """A delta payload's parts that are messages of their own, by transfer
+    index: the staging they land in, or ``None`` (received in place)."""
 
 
 class _Send(NamedTuple):
@@ -374,10 +385,12 @@ class Executor:
         delta_before = stats.delta_seconds
         t0 = time.perf_counter()
         for r in p.recv_ops:
+            if r.how == "part":
+                continue  # landed with its payload's (below)
             if r.how == "delta":
                 assert touched is not None
                 try:
-                    apply_payload(r.msg, r.parts, r.buf, self._tensor, touched, stats)
+                    apply_payload(r.msg, r.parts, r.buf, self._tensor, touched, stats, own=r.own)
                 except ValueError as e:
                     raise self._error(f"the delta from rank {r.peer}: {e}") from e
                 continue
@@ -422,43 +435,61 @@ class Executor:
         arena's half this round stages in."""
         staging_bytes, offsets = round_staging(rnd, self.big_bytes, self._delta_peers)
         offsets = {k: v + base for k, v in offsets.items()}
-        payloads, encoded, headers_in = self._deltas(rnd, offsets, stats)
+        payloads, encoded, headers_in, later = self._deltas(rnd, offsets, stats)
         recv_ops = self._receives(rnd, offsets, headers_in, stats)
         send_ops = self._sends(rnd, offsets, payloads, stats)
         delta = self.delta
         if delta is not None and delta.snapshots is not None:
+            ts = time.perf_counter()
             snapshot_dense(rnd, self._delta_peers, delta.snapshots, encoded, self._tensor, self.device)
+            stats.timed("snapshot", time.perf_counter() - ts)
         recvs = [r for r in recv_ops if r.buf is not None]
         sums_in = self._checksum_buffers(recvs)
         keep: list = []
         works = self._post([(r.buf, r.peer, r.tag) for r in recvs], send_ops, sums_in, keep)
+        if later:
+            assert delta is not None and delta.snapshots is not None
+            count_later(later, delta.snapshots, stats)
         if self._direct_in or self._direct_out:
             self._read_direct(rnd, stats)
         return _Pending(rnd, recv_ops, works, staging_bytes, sums_in, keep)
 
     def _deltas(
         self, rnd: Round, offsets: dict[tuple, int], stats: ExecStats
-    ) -> tuple[dict[int, Payload], set[tuple], dict[int, list[tuple[int, int]]]]:
+    ) -> tuple[dict[int, Payload], set[tuple], dict[int, list[tuple[int, int]]], list]:
         """A delta refit's round: this rank's payloads to its delta peers,
         encoded into the arena (a sender), the transfers they cover, and the
         peers' headers, exchanged now (every delta rank). Empty without deltas."""
         delta = self.delta
         if delta is None:
-            return {}, set(), {}
+            return {}, set(), {}, []
         payloads: dict[int, Payload] = {}
         encoded: set[tuple] = set()
+        later: list = []
         if delta.snapshots is not None and self._arena is not None:
-            payloads, encoded = encode_round(
-                rnd, self._delta_peers, delta.snapshots, self._arena, offsets, self._tensor, self.device, stats
+            payloads, encoded, later = encode_round(
+                rnd,
+                self._delta_peers,
+                delta.snapshots,
+                self._arena,
+                offsets,
+                self._tensor,
+                self.device,
+                stats,
+                speeds=delta.speeds,
+                big_bytes=self.big_bytes,
             )
-        return payloads, encoded, self._exchange_headers(rnd, payloads)
+        return payloads, encoded, self._exchange_headers(rnd, payloads), later
 
     def _receives(
         self, rnd: Round, offsets: dict[tuple, int], headers_in: dict[int, list[tuple[int, int]]], stats: ExecStats
     ) -> list[_Recv]:
         """The round's receives: straight into the destination when it is one
         contiguous slice, else into staging; a delta peer's payload, of the
-        size its header announced."""
+        size its header announced (its big ``dense`` parts: messages of their
+        own, in place where the destination is contiguous)."""
+        import torch
+
         arena = self._arena
         out: list[_Recv] = []
         for peer in sorted(rnd.recvs):
@@ -471,14 +502,44 @@ class Executor:
                     parts = header_parts(transfers, headers_in[peer])
                 except ValueError as e:
                     raise self._error(f"rank {peer} sent a delta {e}") from e
-                total = sum(n for *_, n in parts)
-                buf = None
+                own = [
+                    own_message(enc, t.box.numel, dtype_size(wire_dtype(t)), self.big_bytes)
+                    for t, (enc, _, _) in zip(transfers, parts)
+                ]
+                total = sum(n for (*_, n), o in zip(parts, own) if not o)
+                at = offsets[("drecv", peer)]
+                tag = 0
+                delta = _Recv(None, peer, -1, transfers, "delta", parts)
                 if total:
                     assert arena is not None
-                    buf = arena.narrow(0, offsets[("drecv", peer)], total)
-                out.append(_Recv(buf, peer, 0 if total else -1, transfers, "delta", parts))
+                    delta.buf, delta.tag = arena.narrow(0, at, total), 0
+                    tag = 1
+                out.append(delta)
+                stage = at + pad(total)  # the region holds every part at its dense size, 8-aligned
                 wire = total + HEADER_BYTES * len(transfers)
-                stats.received(peer, link, payload=total, dense=dense, wire=wire, landed=landing)
+                for i, t in enumerate(transfers):
+                    if not own[i]:
+                        continue
+                    dst = local_view(self._tensor(t, "dst"), t.dst, t.box)
+                    size = t.box.numel * dst.element_size()
+                    if dst.is_contiguous():
+                        buf, delta.own[i] = dst.view(-1).view(torch.uint8), None
+                    else:
+                        assert arena is not None
+                        buf = delta.own[i] = arena.narrow(0, stage, size)
+                        stage += pad(size)
+                    out.append(_Recv(buf, peer, tag, [t], "part"))
+                    tag += 1
+                    wire += size
+                stats.received(
+                    peer,
+                    link,
+                    payload=wire - HEADER_BYTES * len(transfers),
+                    dense=dense,
+                    wire=wire,
+                    landed=landing,
+                    messages=tag,
+                )
                 continue
             msgs = messages(transfers, self.big_bytes)
             for i, msg in enumerate(msgs):
@@ -506,11 +567,13 @@ class Executor:
             link = self._link(peer)
             dense = sum(t.nbytes for t in transfers)
             if peer in payloads:
-                buf = payloads[peer][0]
-                if buf.numel():
-                    out.append(_Send(True, peer, 0, _ready(buf)))
-                wire = buf.numel() + HEADER_BYTES * len(transfers)
-                stats.sent(peer, link, payload=buf.numel(), dense=dense, wire=wire)
+                buf, _, own = payloads[peer]
+                bufs = ([buf] if buf.numel() else []) + own
+                for tag, b in enumerate(bufs):
+                    out.append(_Send(True, peer, tag, _ready(b)))
+                payload = sum(b.numel() for b in bufs)
+                wire = payload + HEADER_BYTES * len(transfers)
+                stats.sent(peer, link, payload=payload, dense=dense, wire=wire, messages=len(bufs))
                 continue
             msgs = messages(transfers, self.big_bytes)
             for i, msg in enumerate(msgs):
@@ -590,7 +653,7 @@ class Executor:
             return {}
         ins = {p: torch.empty((len(rnd.recvs[p]), 2), dtype=torch.int64, device=self.device) for p in recv_peers}
         outs = {
-            p: torch.tensor(rows, dtype=torch.int64).view(-1, 2).to(self.device) for p, (_, rows) in payloads.items()
+            p: torch.tensor(rows, dtype=torch.int64).view(-1, 2).to(self.device) for p, (_, rows, _) in payloads.items()
         }
         nccl = group.backend == "nccl"
         works = []

@@ -425,9 +425,11 @@ class RefitSession:
             )
             agree_s += enter_s + self._agree_outcome(group, refit, error)
             self.last_refit = refit
+            assert ex_stats is not None
             if group.config.delta:
                 self._delta_done(group, plan, refit, destinations)
-            assert ex_stats is not None
+                if self.is_source and self.delta.snapshots is not None:
+                    self.delta.speeds.saw(ex_stats, self.device)
             return RefitStats(
                 refit=refit,
                 rank=self.rank,
@@ -679,7 +681,10 @@ class RefitSession:
                 span(sorted(dense)),
                 next(iter(dense.values())),
             )
-        return DeltaRun(frozenset(peers), dense, self.delta.snapshots if self.is_source else None)
+        if not self.is_source:
+            return DeltaRun(frozenset(peers), dense)
+        speeds = self.delta.speeds.speeds(self.device) if peers else None
+        return DeltaRun(frozenset(peers), dense, self.delta.snapshots, speeds)
 
     def cancel(self, reason: str | None) -> None:
         """Make the refit in progress (or the next one) fail at once on this
