@@ -13,31 +13,19 @@ import pytest
 from reshard.adapters.core.state import compare_states
 from reshard.testing.tiny import NONDETERMINISTIC
 
-from .zoo_support import CONFIGS, SHARED_MEMORY, TWO_PHASE, ZOO, Zoo, build_zoo
+from .zoo_support import CONFIGS, SHARED_MEMORY, TWO_PHASE, ZOO, completed, run_configs
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
 
 @pytest.fixture(scope="session")
 def zoo(tmp_path_factory):
-    models = build_zoo(str(tmp_path_factory.mktemp("zoo")))
-    z = Zoo(models)
-    results: dict = {}
-    try:
-        for kind, tp in CONFIGS:
-            results[(kind, tp)] = z.run(kind, tp)
-    finally:
-        z.close()
-    return results
+    return run_configs(str(tmp_path_factory.mktemp("zoo")), CONFIGS)
 
 
 @pytest.fixture(params=CONFIGS, ids=[f"{k}-tp{t}" for k, t in CONFIGS])
 def run(request, zoo):
-    r = zoo[request.param]
-    assert "error" not in r, r["error"]
-    assert r["refit"]["error"] is None, r["refit"]["error"]
-    assert all("error" not in t for t in r["refit"]["trainers"]), r["refit"]["trainers"]
-    return r
+    return completed(zoo[request.param])
 
 
 def test_refit_gives_a_fresh_engines_tokens(run):

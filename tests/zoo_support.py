@@ -36,6 +36,7 @@ trainers send exactly what the workers receive.
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 from typing import Any
 
 from reshard.testing.tiny import TINY, build_tiny_model
@@ -76,10 +77,10 @@ _state: dict[str, Any] = {}
 """Per pool process: the engine being tested, the trainer's default group."""
 
 
-def build_zoo(root: str) -> dict[str, tuple[str, str]]:
-    """v1 and v2 (another seed) of every architecture, in bfloat16."""
+def build_zoo(root: str, kinds: Iterable[str] = ZOO) -> dict[str, tuple[str, str]]:
+    """v1 and v2 (another seed) of every architecture (or of ``kinds``), in bfloat16."""
     out = {}
-    for kind in ZOO:
+    for kind in kinds:
         v1 = build_tiny_model(os.path.join(root, kind, "v1"), kind, seed=0, torch_dtype="bfloat16")
         v2 = build_tiny_model(os.path.join(root, kind, "v2"), kind, seed=7, torch_dtype="bfloat16")
         out[kind] = (str(v1), str(v2))
@@ -264,13 +265,15 @@ class Zoo:
         engine["trainers"] = [o.value if o.ok else {"error": o.error} for o in trainers]
         return engine
 
-    def run(self, kind: str, tp: int) -> dict[str, Any]:
+    def run(self, kind: str, tp: int, args: dict[str, Any] | None = None) -> dict[str, Any]:
         """One configuration (see the module docstring); never raises, the
-        error lands in the result."""
+        error lands in the result. ``args``: engine arguments beside the
+        architecture's own (:data:`ENGINE_ARGS`), e.g. a quantization."""
         v1, v2 = self.models[kind]
         out: dict[str, Any] = {"kind": kind, "tp": tp}
+        engine_args = {**(ENGINE_ARGS.get(kind) or {}), **(args or {})}
         try:
-            fresh = self.host.call(engine_start, v2, tp, ENGINE_ARGS.get(kind), timeout=600)[0]
+            fresh = self.host.call(engine_start, v2, tp, engine_args, timeout=600)[0]
             out["fresh_v2"], out["fresh_state"] = fresh["tokens"], fresh["state"]
             out["before"] = self.host.call(engine_load, v1)[0]
             out["refit"] = self._refit(v2, tp, 1, capture=True, shm=SHARED_MEMORY.get((kind, tp), ""))
@@ -293,3 +296,26 @@ class Zoo:
             except Exception as e:
                 out.setdefault("error", f"stopping the engine: {e}")
         return out
+
+
+def run_configs(root: str, configs: list[tuple[str, int]], args: dict[str, Any] | None = None) -> dict:
+    """Every configuration ``(kind, tp)`` on one pair of pools, the engine
+    started with ``args`` beside each architecture's own: results by
+    configuration."""
+    z = Zoo(build_zoo(root, kinds=sorted({k for k, _ in configs})))
+    results: dict = {}
+    try:
+        for kind, tp in configs:
+            results[(kind, tp)] = z.run(kind, tp, args)
+    finally:
+        z.close()
+    return results
+
+
+def completed(r: dict[str, Any]) -> dict[str, Any]:
+    """A configuration's result, once its engine ran and its refit and
+    every trainer reported no error."""
+    assert "error" not in r, r["error"]
+    assert r["refit"]["error"] is None, r["refit"]["error"]
+    assert all("error" not in t for t in r["refit"]["trainers"]), r["refit"]["trainers"]
+    return r
