@@ -69,6 +69,16 @@ def trainer(rank: int, path: str, final: str, address: str, pg_port: int, steps:
             model.save_pretrained(final, state_dict=state)
     del keep
     torch.distributed.destroy_process_group()
+    # DeepSpeed keeps gloo groups of its own alive past destroy_process_group
+    # (their worker threads outlive it), and a gloo worker that wakes while the
+    # interpreter finalizes aborts the process ("terminate called without an
+    # active exception"; pytorch/pytorch#190489): seen here about once in a dozen
+    # runs on a busy machine, after this rank's work was done. Every file is
+    # written and every group this rank used is closed, so leave without
+    # finalizing, with the exit status saying the work succeeded.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def main() -> int:
