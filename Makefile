@@ -75,7 +75,7 @@ VLLM_TESTS := tests/test_vllm_clients.py tests/test_vllm_faults.py tests/test_de
 FRAMEWORK_TESTS := tests/test_megatron.py tests/test_demo.py tests/test_trl.py tests/test_trl_peft.py tests/test_verl.py \
 	tests/test_openrlhf.py
 TRAINER_TESTS := tests/test_trainers.py tests/test_trainers_vllm.py tests/test_peft.py
-ZOO_TESTS := tests/test_zoo.py tests/test_zoo_fp8.py
+ZOO_TESTS := tests/test_zoo.py tests/test_zoo_options.py
 EXAMPLE_TESTS := tests/test_examples.py
 LANED := $(SGLANG_TESTS) $(VLLM_TESTS) $(FRAMEWORK_TESTS) $(TRAINER_TESTS) $(ZOO_TESTS) $(EXAMPLE_TESTS)
 

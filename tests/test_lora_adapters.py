@@ -10,7 +10,9 @@ changing its factors between refits and saving each version with PEFT's
 ``save_pretrained``. After every refit:
 
 - the new version's ``LoRARequest`` generates the tokens the same engine
-  generates with that version loaded from PEFT's files (vLLM's own loader);
+  generates with that version loaded from PEFT's files (vLLM's own loader),
+  and every tensor of its LoRA slot (each stacked A, B) on every worker
+  equals the slot vLLM's loader filled from those files;
 - every worker received exactly the slices its LoRA layers keep (bytes
   landed == bytes kept; at TP=2 a worker keeps less than the whole adapter),
   and no file was written on the engine side;
@@ -90,6 +92,8 @@ def _engine(address: str, path: str, root: str, tp: int) -> dict:
     from reshard.sender.lora_adapter import AdapterSpec
     from reshard.testing.engines import greedy, offline_llm, shutdown
 
+    from .vllm_support import lora_slot_digests
+
     llm = offline_llm(path, tp, dtype="bfloat16", enable_lora=True, max_loras=2, max_lora_rank=8, max_cpu_loras=3)
     out: dict = {"refits": []}
     try:
@@ -114,6 +118,10 @@ def _engine(address: str, path: str, root: str, tp: int) -> dict:
                     "kept": [int(r.stats["kept_bytes"]) for r in replies],
                     "lora_name": d.request().lora_name,
                 }
+                # Both versions sit in LoRA slots now (max_loras=2): what each
+                # worker holds for ours, tensor by tensor, against the files' one.
+                slots = llm.collective_rpc(lora_slot_digests, args=([d.request().lora_int_id, disk_id],))
+                row["slots"] = [(s[d.request().lora_int_id], s[disk_id]) for s in slots]
                 if step > 1:
                     prev = LoRARequest(f"{name}@{step - 1}", d.versions[0][1], f"reshard://{name}/{step - 1}")
                     row["previous"] = greedy(llm, lora_request=prev)
@@ -154,6 +162,13 @@ def test_adapters_refit_into_lora_slots_slice_by_slice(tp, base, tmp_path):
     assert [(r["name"], r["step"]) for r in rows] == [("alpha", 1), ("beta", 1), ("alpha", 2), ("beta", 2)]
     for r in rows:
         assert r["ours"] == r["disk"], f"tp={tp} {r['name']}@{r['step']}: tokens differ from the files' adapter"
+        # Every tensor of the adapter's slot, on every worker, equals what
+        # vLLM's own loader put in the slot of the same version from its files.
+        assert len(r["slots"]) == tp
+        for worker, (ours, disk) in enumerate(r["slots"]):
+            assert ours and ours.keys() == disk.keys(), (worker, sorted(ours)[:5], sorted(disk)[:5])
+            differ = sorted(k for k in disk if ours[k] != disk[k])
+            assert not differ, f"tp={tp} {r['name']}@{r['step']} worker {worker}: slot tensors differ: {differ[:5]}"
         assert r["ours"] != engine["base"], "the adapter changed nothing"
         assert r["lora_name"] == f"{r['name']}@{r['step']}"
         # Each worker took exactly the slices its LoRA layers keep (received in

@@ -605,3 +605,27 @@ def server_greedy(
         with urllib.request.urlopen(req, timeout=120) as r:
             out.append(list(json.loads(r.read())["choices"][0]["token_ids"]))
     return out
+
+
+def lora_slot_digests(worker: Any, lora_ids: list[int]) -> dict[int, dict[str, str]]:
+    """Run on a vLLM worker (``llm.collective_rpc``): for each adapter id, the
+    digest of every tensor its LoRA slot holds in every LoRA layer (each
+    stacked A, B and bias at the adapter's slot index), by
+    ``module.attribute.i``. Two adapters with the same factors hold the same
+    slot tensors, whatever slot each landed in."""
+    mgr = worker.model_runner.lora_manager._adapter_manager
+    out: dict[int, dict[str, str]] = {}
+    for lora_id in lora_ids:
+        slot = mgr.lora_index_to_id.index(lora_id)  # ValueError: the adapter is not in a slot
+        held: dict[str, str] = {}
+        for name, module in mgr.modules.items():
+            for attr in ("lora_a_stacked", "lora_b_stacked", "lora_bias_stacked"):
+                stacked = getattr(module, attr, None)
+                if stacked is None:
+                    continue
+                parts = stacked if isinstance(stacked, (tuple, list)) else (stacked,)
+                for i, t in enumerate(parts):
+                    if t is not None:
+                        held[f"{name}.{attr}.{i}"] = _digest(t[slot])
+        out[lora_id] = held
+    return out
