@@ -114,6 +114,69 @@ def test_the_applier_works_on_one_thread_for_the_newest_round_and_drains():
         pool.shutdown()
 
 
+def test_a_drained_applier_stops_yielding():
+    """On CPU the applier's work runs at idle priority while the transfer
+    lasts; once it is over (``drain``) the rest must not starve behind a busy
+    neighbour: the thread gets normal priority back, or where the system
+    refuses that, the work not yet started runs on the caller's thread. The
+    next refit's work is idle again."""
+    import concurrent.futures as cf
+    import os
+    import threading
+
+    import pytest
+
+    from reshard.adapters.vllm.applier import Applier
+
+    from .support import HANG_S
+
+    if not hasattr(os, "SCHED_IDLE"):
+        pytest.skip("no SCHED_IDLE here")
+    pool = cf.ThreadPoolExecutor(1)
+    try:
+        for refused in (False, True):
+            started, gate = threading.Event(), threading.Event()
+            seen: dict[int, tuple[str, int]] = {}
+
+            def work(i: int, started=started, gate=gate, seen=seen) -> None:
+                seen[i] = (threading.current_thread().name, os.sched_getscheduler(0))
+                if i == 0:
+                    started.set()
+                    assert gate.wait(HANG_S)
+
+            applier = Applier(work, pool, idle=True)
+            lift = applier._lift
+            # Round 0 ends once the drain has decided (under its lock) who runs round 1.
+            applier._lift = lambda lift=lift, gate=gate, refused=refused: (gate.set(), False if refused else lift())[1]
+            with applier:
+                applier.released(0)
+                assert started.wait(HANG_S)
+                applier.released(1)
+                applier.drain()
+            worker = seen[0][0]
+            assert seen[0][1] == os.SCHED_IDLE and worker != threading.current_thread().name
+            if refused:
+                assert seen[1] == (threading.current_thread().name, os.SCHED_OTHER)
+            else:
+                if seen[1][1] != os.SCHED_OTHER:
+                    pytest.skip("this system refuses to lift an idle thread (no CAP_SYS_NICE); the refused case passed")
+                assert seen[1] == (worker, os.SCHED_OTHER)
+            again: list[int] = []
+            ran = threading.Event()
+
+            def record(i: int, again=again, ran=ran) -> None:
+                again.append(os.sched_getscheduler(0))
+                ran.set()
+
+            with Applier(record, pool, idle=True) as applier:
+                applier.released(0)
+                assert ran.wait(HANG_S)
+                applier.drain()
+            assert again == [os.SCHED_IDLE]
+    finally:
+        pool.shutdown()
+
+
 def test_the_appliers_error_fails_the_drain_and_an_error_stops_it():
     import concurrent.futures as cf
     import threading

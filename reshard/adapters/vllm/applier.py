@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import contextlib
+import os
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -32,11 +33,22 @@ class Applier:
     ``pool``: the thread, kept by the caller from one refit to the next.
     It must be the same thread each time: the memory the engine's
     processing allocates (repacked weights) comes from that thread's malloc
-    arena, and a fresh thread would fault in fresh pages at every refit."""
+    arena, and a fresh thread would fault in fresh pages at every refit.
 
-    def __init__(self, work: Callable[..., None], pool: cf.ThreadPoolExecutor) -> None:
+    ``idle``: the work runs at idle priority while the transfer lasts
+    (:func:`idle_priority`), so that it only takes what the receive leaves.
+    Once the transfer is over (``drain``) there is nothing left to yield to,
+    and at idle priority a busy neighbour (a trainer on the same cores)
+    would starve the rest of the work: the thread gets normal priority back,
+    or, where the system refuses that (lowering a thread's nice needs
+    ``CAP_SYS_NICE``), the work not yet started runs on the caller's thread
+    instead; only the work in progress finishes at idle priority."""
+
+    def __init__(self, work: Callable[..., None], pool: cf.ThreadPoolExecutor, *, idle: bool = False) -> None:
         self.work = work
         self.pool = pool
+        self.idle = idle
+        self._tid: int | None = None
         self._pending: tuple[int, tuple] | None = None
         self._future: cf.Future | None = None
         self._running = False
@@ -65,9 +77,27 @@ class Applier:
                 self._future = self.pool.submit(self._run)
 
     def drain(self) -> None:
+        with self._lock:
+            # An idle thread that has not started yet (no id) takes nothing more.
+            item = None
+            if self.idle and (self._tid is None or not self._lift()):
+                item, self._pending = self._pending, None
         self._wait()
+        if item is not None and self._error is None and not self._stopped:
+            self._do(item)
         if self._error is not None:
             raise self._error
+
+    def _lift(self) -> bool:
+        """Normal priority for the applier's thread (the transfer is over);
+        ``False`` where the system refuses it."""
+        if not self.idle:
+            return True
+        try:
+            os.sched_setscheduler(self._tid, os.SCHED_OTHER, os.sched_param(0))
+        except (OSError, AttributeError):
+            return False
+        return True
 
     def _wait(self) -> None:
         # Only the executor's thread releases work, and it is the one waiting.
@@ -81,6 +111,11 @@ class Applier:
             future.result()
 
     def _run(self) -> None:
+        with self._lock:
+            # Idle until a drain lifts it (at every refit: the thread is kept).
+            if self.idle:
+                idle_priority()
+            self._tid = threading.get_native_id()
         with self._enter():
             while True:
                 with self._lock:
@@ -88,13 +123,16 @@ class Applier:
                     if item is None or self._stopped or self._error is not None:
                         self._running = False
                         return
-                t0 = time.perf_counter()
-                try:
-                    self.work(item[0], *item[1])
-                except BaseException as e:
-                    self._error = e
-                finally:
-                    self.busy_seconds += time.perf_counter() - t0
+                self._do(item)
+
+    def _do(self, item: tuple[int, tuple]) -> None:
+        t0 = time.perf_counter()
+        try:
+            self.work(item[0], *item[1])
+        except BaseException as e:
+            self._error = e
+        finally:
+            self.busy_seconds += time.perf_counter() - t0
 
 
 def idle_priority() -> None:
@@ -108,9 +146,8 @@ def idle_priority() -> None:
     refit takes their sum plus the switching (measured: a layer's processing
     took twice as long beside the receive as alone). At idle priority the
     repack runs while the receive waits for bytes, and at full speed once
-    the transfer landed and the receive thread waits in ``drain``."""
-    import os
-
+    the transfer landed (:meth:`Applier.drain` gives the thread its normal
+    priority back then)."""
     policy = getattr(os, "SCHED_IDLE", None)
     if policy is None:
         return

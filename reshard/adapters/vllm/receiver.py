@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from reshard.adapters.core.recording import LearnedLayout
-from reshard.adapters.vllm.applier import Applier, idle_priority
+from reshard.adapters.vllm.applier import Applier
 from reshard.adapters.vllm.direct import direct_layers
 from reshard.adapters.vllm.layout import learn_layout
 from reshard.adapters.vllm.lifecycle import (
@@ -208,9 +208,7 @@ class VllmReceiver:
         self.last_stats: dict[str, Any] = {}
         # Layers are processed on this thread while later rounds arrive (see
         # Applier); on CPU it yields to the receive (see idle_priority).
-        self._apply_pool = cf.ThreadPoolExecutor(
-            1, thread_name_prefix="reshard-apply", initializer=idle_priority if self._cpu else None
-        )
+        self._apply_pool = cf.ThreadPoolExecutor(1, thread_name_prefix="reshard-apply")
         self._staging: _Staging | None = None
 
     @property
@@ -239,7 +237,7 @@ class VllmReceiver:
             return self._pull_delta(refit, method, atomic)
         update = LayerwiseUpdate(self.worker, refit)
         t0 = time.perf_counter()
-        with self._applying(update), Applier(update.after_round, self._apply_pool) as applier:
+        with self._applying(update), Applier(update.after_round, self._apply_pool, idle=self._cpu) as applier:
             stats = self.receiver.pull(
                 refit,
                 method=method,
@@ -292,7 +290,9 @@ class VllmReceiver:
             try:
                 with (
                     self._applying(update),
-                    Applier(lambda i, changed: update.load_released(buffers, changed, i), self._apply_pool) as applier,
+                    Applier(
+                        lambda i, changed: update.load_released(buffers, changed, i), self._apply_pool, idle=self._cpu
+                    ) as applier,
                 ):
                     stats = self.receiver.pull(
                         refit,
