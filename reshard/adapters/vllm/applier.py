@@ -80,7 +80,7 @@ class Applier:
         with self._lock:
             # An idle thread that has not started yet (no id) takes nothing more.
             item = None
-            if self.idle and (self._tid is None or not self._lift()):
+            if not self._lift():
                 item, self._pending = self._pending, None
         self._wait()
         if item is not None and self._error is None and not self._stopped:
@@ -93,6 +93,8 @@ class Applier:
         ``False`` where the system refuses it."""
         if not self.idle:
             return True
+        if self._tid is None:
+            return False
         try:
             os.sched_setscheduler(self._tid, os.SCHED_OTHER, os.sched_param(0))
         except (OSError, AttributeError):
