@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import multiprocessing as mp
 import statistics
 import time
 import zlib
@@ -118,16 +117,12 @@ def run_ranks(fn, world: int, *args: Any, timeout: float, what: str = "bench") -
 
     from torch.distributed import TCPStore
 
-    from reshard.tools.engine_bench import collect, entry, join_all
+    from reshard.tools.engine_bench import collect, join_all, spawn_ranks
 
     port = free_port()
     store = TCPStore("127.0.0.1", port, None, True, timeout=datetime.timedelta(seconds=60), wait_for_workers=False)
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
     address = f"127.0.0.1:{port}"
-    procs = [ctx.Process(target=entry, args=(fn, r, (address, *args), q), daemon=True) for r in range(world)]
-    for p in procs:
-        p.start()
+    q, procs = spawn_ranks((fn, r, (address, *args)) for r in range(world))
     try:
         results = collect(q, procs, timeout, what=what)
     finally:

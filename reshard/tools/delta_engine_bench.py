@@ -21,7 +21,6 @@ tokens after the last delta refit must equal those after that reload.
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import statistics
 import time
 from pathlib import Path
@@ -31,12 +30,12 @@ from reshard.tools.engine_bench import (
     barrier,
     bench_store,
     collect,
-    entry,
     free_port,
     fsdp2_trainer,
     join_all,
     model_config,
     scratch,
+    spawn_ranks,
 )
 
 __all__ = ["format_delta_engine", "run_delta_engine_bench"]
@@ -168,11 +167,7 @@ def run_delta_engine_bench(
         say(f"starting vLLM (TP={tp}, bfloat16, CPU) ...")
         llm = offline_llm(str(path), tp, dtype="bfloat16")
         torch.set_num_threads(1)
-        ctx = mp.get_context("spawn")
-        q = ctx.Queue()
-        procs = [ctx.Process(target=entry, args=(trainer_rank, r, (cfg,), q), daemon=True) for r in range(trainers)]
-        for p in procs:
-            p.start()
+        q, procs = spawn_ranks((trainer_rank, r, (cfg,)) for r in range(trainers))
         rows: list[dict[str, Any]] = []
         out: dict[str, Any] = {}
         try:

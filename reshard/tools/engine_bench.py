@@ -38,7 +38,7 @@ import statistics
 import tempfile
 import time
 import traceback
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -125,6 +125,18 @@ def _raw_shares(kept: list[int], trainers: int) -> list[list[int]]:
 
 
 # -- trainer ranks and raw sinks (processes of their own) ------------------------------------------
+
+
+def spawn_ranks(jobs: Iterable[tuple[Callable, int, tuple]]) -> tuple[Any, list]:
+    """Start ``fn(rank, *args)`` of each job in a spawned daemon process of its
+    own (:func:`entry`); the results arrive on the queue returned (read them
+    with :func:`collect`, then :func:`join_all` the processes)."""
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=entry, args=(fn, rank, args, q), daemon=True) for fn, rank, args in jobs]
+    for p in procs:
+        p.start()
+    return q, procs
 
 
 def entry(fn, rank: int, args: tuple, q) -> None:
@@ -293,12 +305,9 @@ def run_engine_bench(
         say(f"starting vLLM (TP={tp}, CPU) ...")
         llm = offline_llm(str(engine_path), tp, dtype=dtype)
         torch.set_num_threads(1)
-        ctx = mp.get_context("spawn")
-        q = ctx.Queue()
-        procs = [ctx.Process(target=entry, args=(trainer_rank, r, (cfg,), q), daemon=True) for r in range(trainers)]
-        procs += [ctx.Process(target=entry, args=(raw_sink, w, (cfg,), q), daemon=True) for w in range(tp)]
-        for p in procs:
-            p.start()
+        q, procs = spawn_ranks(
+            [(trainer_rank, r, (cfg,)) for r in range(trainers)] + [(raw_sink, w, (cfg,)) for w in range(tp)]
+        )
         rows: list[dict[str, Any]] = []
         tokens: dict[str, list] = {}
         try:

@@ -34,7 +34,6 @@ match between the merged and adapter paths' policies (same factors).
 from __future__ import annotations
 
 import json
-import multiprocessing as mp
 import os
 import statistics
 import tempfile
@@ -43,7 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from reshard.testing.ports import free_port
-from reshard.tools.engine_bench import barrier, bench_store, collect, entry, join_all, model_config, schedule
+from reshard.tools.engine_bench import barrier, bench_store, collect, join_all, model_config, schedule, spawn_ranks
 
 __all__ = ["LORA_METHODS", "format_lora_result", "run_lora_bench"]
 
@@ -175,11 +174,7 @@ def run_lora_bench(
         str(base), tp, dtype=dtype, enable_lora=True, max_lora_rank=lora_rank, max_loras=2, max_cpu_loras=4
     )
     torch.set_num_threads(1)
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    procs = [ctx.Process(target=entry, args=(_trainer, r, (cfg,), q), daemon=True) for r in range(trainers)]
-    for p in procs:
-        p.start()
+    q, procs = spawn_ranks((_trainer, r, (cfg,)) for r in range(trainers))
     rows: list[dict[str, Any]] = []
     tokens: dict[str, list] = {}
     try:

@@ -21,7 +21,6 @@ whole call), so its paused time is its refit time.
 from __future__ import annotations
 
 import json
-import multiprocessing as mp
 import os
 import subprocess
 import time
@@ -173,19 +172,14 @@ def run_sglang_bench(
             "methods": METHODS,
         }
         torch.set_num_threads(1)
-        ctx = mp.get_context("spawn")
-        q = ctx.Queue()
         procs: list[Any] = []
         rows: list[dict[str, Any]] = []
         tokens: dict[str, list] = {}
         try:
             _wait_healthy(url, server, work / "server.log")
-            procs = [
-                ctx.Process(target=eb.entry, args=(eb.trainer_rank, r, (cfg,), q), daemon=True) for r in range(trainers)
-            ]
-            procs.append(ctx.Process(target=eb.entry, args=(eb.raw_sink, 0, (cfg,), q), daemon=True))
-            for p in procs:
-                p.start()
+            q, procs = eb.spawn_ranks(
+                [(eb.trainer_rank, r, (cfg,)) for r in range(trainers)] + [(eb.raw_sink, 0, (cfg,))]
+            )
             group = GroupConfig(address=refit_address, num_sources=trainers, num_destinations=1, timeout_s=600)
             engines = SglangEngines([url])
             engines.init(group)
