@@ -62,7 +62,7 @@ def main() -> int:
     url = f"http://127.0.0.1:{port}"
     cmd = [args.sglang_python, "-m", "sglang.launch_server", "--model-path", str(path), "--device", "cpu"]
     cmd += ["--attention-backend", "torch_native", "--sampling-backend", "pytorch", "--disable-cuda-graph"]
-    cmd += ["--dtype", "float32", "--mem-fraction-static", "0.5", "--max-total-tokens", "2048"]
+    cmd += ["--dtype", "float32", "--mem-fraction-static", "0.95", "--max-total-tokens", "2048"]
     cmd += ["--skip-server-warmup", "--random-seed", "0", "--host", "127.0.0.1", "--port", str(port)]
     cmd += ["--custom-weight-loader", HOOK]
     log = open(work / "server.log", "wb")  # noqa: SIM115

@@ -62,14 +62,17 @@ class Server:
         self.tp = tp
         self.log = log
         # On CPU SGLang sizes its KV cache from the machine's free memory before
-        # and after loading: with 0.05 a load that overlaps other tests' engines
-        # (free memory dropping by >5%) leaves "no memory for the KV cache".
-        # --max-total-tokens caps what it allocates either way.
+        # and after loading (psutil's, the whole machine's): it refuses to start
+        # ("no memory for the KV cache") when free memory dropped below
+        # 1 - mem_fraction_static of what it was, whatever else on the machine
+        # took it. A load that overlaps other engines (a CI clone beside) took
+        # more than half once, so 0.95; --max-total-tokens sizes what it
+        # allocates either way.
         args = [
             str(python), "-m", "tests.sglang_serve",
             "--model-path", str(model), "--device", "cpu", "--tp-size", str(tp), "--dtype", dtype,
             "--attention-backend", "torch_native", "--sampling-backend", "pytorch", "--disable-cuda-graph",
-            "--mem-fraction-static", "0.5", "--max-total-tokens", "2048", "--max-running-requests", "4",
+            "--mem-fraction-static", "0.95", "--max-total-tokens", "2048", "--max-running-requests", "4",
             "--chunked-prefill-size", "512", "--skip-server-warmup", "--random-seed", "0",
             "--log-level", "warning", "--host", "127.0.0.1", "--port", str(port),
             "--custom-weight-loader", HOOK,

@@ -36,13 +36,21 @@ from __future__ import annotations
 import json
 import os
 import statistics
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 from reshard.testing.ports import free_port
-from reshard.tools.engine_bench import barrier, bench_store, collect, join_all, model_config, schedule, spawn_ranks
+from reshard.tools.engine_bench import (
+    barrier,
+    bench_store,
+    collect,
+    join_all,
+    model_config,
+    schedule,
+    scratch,
+    spawn_ranks,
+)
 
 __all__ = ["LORA_METHODS", "format_lora_result", "run_lora_bench"]
 
@@ -138,6 +146,15 @@ def run_lora_bench(
     workdir: str | None = None,
     say=print,
 ) -> dict[str, Any]:
+    """``workdir``: where the base and the adapter files go (default: a
+    folder in /dev/shm, removed afterwards)."""
+    with scratch(workdir, "reshard-lora-bench-") as work:
+        return _run(work, size_mb, tp, trainers, lora_rank, reps, warmup, dtype, say)
+
+
+def _run(
+    work: Path, size_mb: float, tp: int, trainers: int, lora_rank: int, reps: int, warmup: int, dtype: str, say
+) -> dict[str, Any]:
     import torch
     from vllm.lora.request import LoRARequest
 
@@ -148,8 +165,6 @@ def run_lora_bench(
     from reshard.testing.engines import greedy, offline_llm, shutdown
     from reshard.testing.tiny import build_tiny_model
 
-    base_dir = "/dev/shm" if os.path.isdir("/dev/shm") else None
-    work = Path(workdir or tempfile.mkdtemp(prefix="reshard-lora-bench-", dir=base_dir))
     say(f"building a {size_mb:.0f} MB {dtype} base in {work} ...")
     base = build_tiny_model(work / "base", "qwen2", seed=0, **model_config(size_mb, dtype))
     bench_address = f"127.0.0.1:{free_port()}"

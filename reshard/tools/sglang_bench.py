@@ -88,7 +88,7 @@ def _start_server(python: Path, model: Path, port: int, dtype: str, log: Path) -
 
     cmd = [str(python), "-m", "sglang.launch_server", "--model-path", str(model), "--device", "cpu"]
     cmd += ["--attention-backend", "torch_native", "--sampling-backend", "pytorch", "--disable-cuda-graph"]
-    cmd += ["--dtype", dtype, "--mem-fraction-static", "0.5", "--max-total-tokens", "2048"]
+    cmd += ["--dtype", dtype, "--mem-fraction-static", "0.95", "--max-total-tokens", "2048"]
     cmd += ["--skip-server-warmup", "--random-seed", "0", "--host", "127.0.0.1", "--port", str(port)]
     cmd += ["--custom-weight-loader", HOOK]
     env = dict(os.environ, PYTHONPATH=str(_REPO))
