@@ -13,6 +13,8 @@ from reshard.plan.items import RankPlan, Round, Transfer, TransferKind
 from reshard.plan.layout import Slot, TensorMeta
 from reshard.plan.specs import PieceSpec
 
+from .support import HANG_S
+
 
 def _worker() -> WorkerModel:
     model = torch.nn.ModuleDict(
@@ -87,7 +89,7 @@ def test_the_applier_works_on_one_thread_for_the_newest_round_and_drains():
     def work(i: int, tag: str) -> None:
         if i == 0:
             started.set()
-            gate.wait(5)
+            assert gate.wait(HANG_S)
         seen.append((i, threading.current_thread().name, torch.get_num_threads(), torch.is_grad_enabled()))
 
     threads = torch.get_num_threads()
@@ -96,7 +98,7 @@ def test_the_applier_works_on_one_thread_for_the_newest_round_and_drains():
             applier = Applier(work, pool)
             with applier:
                 applier.released(0, "a")
-                assert started.wait(5)
+                assert started.wait(HANG_S)
                 applier.released(1, "b")
                 applier.released(2, "c")
                 gate.set()
@@ -127,8 +129,6 @@ def test_a_drained_applier_stops_yielding():
     import pytest
 
     from reshard.adapters.vllm.applier import Applier
-
-    from .support import HANG_S
 
     if not hasattr(os, "SCHED_IDLE"):
         pytest.skip("no SCHED_IDLE here")
@@ -200,12 +200,12 @@ def test_the_appliers_error_fails_the_drain_and_an_error_stops_it():
 
         def slow(i: int) -> None:
             started.set()
-            gate.wait(5)
+            assert gate.wait(HANG_S)
             ran.append(i)
 
         with pytest.raises(KeyError), Applier(slow, pool) as applier:
             applier.released(0)
-            assert started.wait(5)
+            assert started.wait(HANG_S)
             applier.released(1)
             gate.set()
             raise KeyError("the transfer failed")
