@@ -319,3 +319,18 @@ def completed(r: dict[str, Any]) -> dict[str, Any]:
     assert r["refit"]["error"] is None, r["refit"]["error"]
     assert all("error" not in t for t in r["refit"]["trainers"]), r["refit"]["trainers"]
     return r
+
+
+def assert_matches_reload(r: dict[str, Any]) -> None:
+    """Every parameter as the refit landed it equals vLLM's own reload of the
+    same checkpoint, on every worker. A tied lm_head is processed again by
+    reshard (vLLM's reload leaves its CPU-packed copy stale); it is the
+    embedding's own tensor."""
+    ours, ref = r["refit"]["digests"], r["reference"]
+    assert len(ours) == len(ref) == r["tp"]
+    for worker_ours, worker_ref in zip(ours, ref, strict=True):
+        extra = worker_ours.keys() - worker_ref.keys()
+        assert extra <= {"lm_head.weight"}, extra
+        assert worker_ref.keys() <= worker_ours.keys(), worker_ref.keys() - worker_ours.keys()
+        differ = sorted(k for k in worker_ref if worker_ours[k] != worker_ref[k])
+        assert not differ, differ
