@@ -9,6 +9,13 @@ STAMP := $(VENV)/.reshard-installed
 SGLANG_VENV ?= .venv-sglang
 SGLANG_STAMP := $(SGLANG_VENV)/.reshard-sglang-setup
 
+# DeepSpeed compiles its shared-memory op at first use into torch's extension
+# folder (~/.cache/torch_extensions by default). A clone at another path has
+# other sources, so two clones testing side by side would rebuild the op over
+# each other's (and a build killed halfway leaves a lock that hangs the next
+# DeepSpeed trainer): each clone builds into its own folder.
+export TORCH_EXTENSIONS_DIR ?= $(abspath .torch-extensions)
+
 .PHONY: setup sglang-setup demo test lint typecheck unit clean
 
 setup: $(STAMP)
@@ -128,4 +135,4 @@ unit-rest: setup sglang-setup
 	$(LANE) $@ $(PYTEST) tests $(addprefix --ignore=,$(LANED))
 
 clean:
-	rm -rf $(VENV) $(SGLANG_VENV) .pytest_cache .ruff_cache .mypy_cache .hypothesis .test-lanes
+	rm -rf $(VENV) $(SGLANG_VENV) .pytest_cache .ruff_cache .mypy_cache .hypothesis .test-lanes .torch-extensions
