@@ -35,27 +35,34 @@ def natural_key(name: str) -> tuple:
 def natural_order(metas: list[TensorMeta]) -> list[TensorMeta]:
     """``metas`` sorted by :func:`natural_key` of their names (stably).
 
-    The same order, about twice as fast on DeepSeek-V3's 45k names (the
-    tuple keys took a fifth of a rank's plan): each name becomes one string
-    in which every run of digits is a NUL and the run zero-padded to a fixed
-    width, so plain string comparison is natural order (a NUL sorts below
-    any other character, as a shorter part does in the tuple key). One
-    regular expression split of all names joined finds every run; each
-    distinct run is padded once. Names for which that does not hold (not
-    ASCII, with a NUL or newline, or a run of digits wider than the pad)
-    take :func:`natural_key`.
+    The same order, faster on DeepSeek-V3's 45k names (the tuple keys took
+    a fifth of a rank's plan): each name becomes one string in which every
+    run of digits is a NUL and the run zero-padded to a fixed width, so
+    plain string comparison is natural order (a NUL sorts below any other
+    character, as a shorter part does in the tuple key). No run of digits
+    crosses a dot, and names repeat their dotted parts (``layers``, ``61``,
+    ``experts``, ``weight``: a few hundred distinct parts in 45k names), so
+    each distinct part is padded once and the names are put back together
+    from the padded parts. Names for which that does not hold (not ASCII,
+    with a NUL or newline, or a run of digits wider than the pad) take
+    :func:`natural_key`.
     """
     names = [m.name for m in metas]
     text = "\n".join(names)
     if not text.isascii() or "\x00" in text or text.count("\n") != len(names) - 1:
         return sorted(metas, key=lambda m: natural_key(m.name))
-    parts = _DIGITS.split(text)  # text, digits, text, digits, ..., text
-    runs = parts[1::2]
-    padded = {run: "\x00" + run.zfill(_PAD) for run in set(runs)}
-    if any(len(run) > _PAD for run in padded):
-        return sorted(metas, key=lambda m: natural_key(m.name))
-    parts[1::2] = map(padded.__getitem__, runs)
-    keys = "".join(parts).split("\n")
+    parts = text.split(".")
+    padded = {}
+    for part in set(parts):
+        runs = _DIGITS.split(part)  # text, digits, text, ..., text
+        if len(runs) > 1:
+            if any(len(run) > _PAD for run in runs[1::2]):
+                return sorted(metas, key=lambda m: natural_key(m.name))
+            runs[1::2] = ["\x00" + run.zfill(_PAD) for run in runs[1::2]]
+            padded[part] = "".join(runs)
+        else:
+            padded[part] = part
+    keys = ".".join(map(padded.__getitem__, parts)).split("\n")
     order = sorted(range(len(metas)), key=keys.__getitem__)
     return [metas[i] for i in order]
 
