@@ -38,6 +38,7 @@ smaller parts travel back to back in the round's payload
 
 from __future__ import annotations
 
+from functools import lru_cache
 from typing import NamedTuple
 
 from reshard.plan.items import Transfer
@@ -173,11 +174,16 @@ def _smallest(n: int, k: int, itemsize: int) -> int:
     return best
 
 
+@lru_cache(maxsize=4096)
 def dense_from(n: int, itemsize: int, speeds: Speeds | None = None, encs: tuple[int, ...] = (DENSE,)) -> int:
     """The smallest count of changed elements (of ``n``) whose choice is one
     of ``encs`` (``n + 1``: none is); by bisection, the choice being monotone
     in the count. An encoder records changes only as the encoding that
-    count will end in needs (and none once it goes ``dense``)."""
+    count will end in needs (and none once it goes ``dense``).
+
+    Kept per arguments: the bisection calls :func:`choose` about 50 times
+    (0.2 ms), an encoder asks twice per part, and a refit's parts share a
+    few sizes and one :class:`Speeds` (a model's layers repeat)."""
     lo, hi = 1, n + 1
     while lo < hi:
         mid = (lo + hi) // 2
