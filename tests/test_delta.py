@@ -70,14 +70,17 @@ def _changed(base: torch.Tensor, density: float, seed: int) -> torch.Tensor:
     n=st.one_of(st.integers(0, 64), st.integers(65000, 140000)),
     density=st.sampled_from([0.0, 1e-4, 0.003, 0.03, 0.07, 0.3, 0.9, 1.0]),
     path=st.sampled_from(["compiled", "numpy", "torch"]),
-    strided=st.booleans(),
+    strided=st.sampled_from(["no", "odd", "words"]),
     seed=st.integers(0, 1000),
     speeds=st.sampled_from(SPEEDS),
 )
 def test_encodings_are_exact_chosen_and_sized_as_predicted(dtype, n, density, path, strided, seed, speeds):
     """Every path alike: the compiled CPU kernels (numba), numpy, and torch
     (what runs on a GPU); by bytes alone, or with speeds that make parts
-    whose changes cost more than their saved bytes go dense."""
+    whose changes cost more than their saved bytes go dense. ``strided``:
+    the new values are rows of a larger tensor, whose rows start at odd
+    elements (read element by element) or at whole words (read a word at a
+    time)."""
     # A MonkeyPatch per example: the env is each example's own (a function-scoped
     # fixture would be shared by every example Hypothesis runs).
     with pytest.MonkeyPatch.context() as mp:
@@ -86,7 +89,7 @@ def test_encodings_are_exact_chosen_and_sized_as_predicted(dtype, n, density, pa
 
 
 def _check_encoding(
-    dtype, n: int, density: float, path: str, strided: bool, seed: int, speeds: F.Speeds | None = None
+    dtype, n: int, density: float, path: str, strided: str, seed: int, speeds: F.Speeds | None = None
 ) -> None:
     g = torch.Generator().manual_seed(seed)
     raw = torch.randint(0, 2 if dtype == torch.bool else 256, (n * dtype.itemsize,), dtype=torch.uint8, generator=g)
@@ -96,11 +99,12 @@ def _check_encoding(
     snap = base.clone()
     out = torch.zeros(F.pad(n * dtype.itemsize), dtype=torch.uint8)
     given = new
-    if strided and n % 4 == 0 and n and path != "torch":
+    width, hold, at = (4, 7, 2) if strided == "odd" else (8, 16, 8)
+    if strided != "no" and n % width == 0 and n and path != "torch":
         # New values that are rows of a larger tensor (a column slice): read in place.
-        rows = new.new_zeros((n // 4, 7))
-        rows[:, 2:6] = new.view(n // 4, 4)
-        given = rows[:, 2:6]
+        rows = new.new_zeros((n // width, hold))
+        rows[:, at : at + width] = new.view(n // width, width)
+        given = rows[:, at : at + width]
     if path == "torch":
         enc, got_k, size = E._encode_torch(new, snap, out, n, dtype.itemsize, speeds)
     else:
@@ -116,7 +120,7 @@ def _check_encoding(
     assert torch.equal(snap.view(torch.uint8), new.view(torch.uint8))  # the snapshot moved on
     if enc == F.DENSE:  # a dense part is the snapshot's bytes (sent from it)
         out[: n * dtype.itemsize].copy_(snap.view(torch.uint8))
-    if strided and n % 4 == 0 and n:
+    if strided != "no" and n % 4 == 0 and n:
         holder = base.new_zeros((n // 4, 6))
         holder[:, 1:5] = base.view(n // 4, 4)
         dst = holder[:, 1:5]

@@ -163,15 +163,23 @@ def _build() -> Any:
                 b[i] = a[i]
         return k, mode
 
-    # Explicit signatures with arrays of any layout: a part that is one run
-    # and a part that is rows of a larger tensor take the same compiled code
-    # (compiled once, when the kernels are built, not halfway through a refit).
+    # Explicit signatures (compiled once, when the kernels are built, not
+    # halfway through a refit) on C-contiguous arrays: the compiler then knows
+    # that the words of a row are adjacent (on arrays of any layout the same
+    # code took half again as long per pass, twice as long on rows of a
+    # larger tensor). A part that is rows of a larger tensor comes as the
+    # flat span from its first to its last element, with the step between
+    # its rows; the snapshot is contiguous, its rows one after another.
     sigs = [
         numba.int64(
-            numba.int64[:, :],
-            numba.int64[:, :],
-            t[:, :],
-            t[:, :],
+            numba.int64[::1],
+            numba.int64[::1],
+            t[::1],
+            t[::1],
+            numba.int64,
+            numba.int64,
+            numba.int64,
+            numba.int64,
             numba.int64,
             numba.int64,
             t[:],
@@ -186,28 +194,34 @@ def _build() -> Any:
     ]
 
     @numba.njit(sigs, cache=True, nogil=True)
-    def diff(aw, bw, a, b, lanes, lane_bits, vals, low, counts, bits, to_bits, to_dense, mode):
+    def diff(
+        aw, bw, a, b, rows, width, step, lanes, lane_bits, mode, vals, low, counts, bits, to_bits, to_dense, words
+    ):
         # One pass over the data, row by row (a part whose new values are rows
-        # of a larger tensor is read in place): 4 words (8 bytes each)
-        # compared at once, the rare words that differ split into their
-        # elements by their XOR, the snapshot word written back. Each
-        # changed element is recorded as the encoding it will end in needs,
-        # as the count grows past the points where the choice changes
-        # (sparse, then bitmask, then dense: the choice only moves that way
-        # as changes add up): mode 0 its value, its 16-bit offset and its
-        # block's count; mode 1 its value and its bit (the bits of the
-        # offsets recorded so far set at the switch); mode 2 nothing (a dense
-        # part is sent from the snapshot), the rest of the data only counted
-        # and copied, a word at a time. Returns the number of changed elements.
+        # of a larger tensor is read in place: row r of the new values starts
+        # at r * step of the span ``a``, its words at r * step / lanes of
+        # ``aw``, the first ``words`` words of each row; the snapshot's rows
+        # are contiguous): 4 words (8 bytes each) compared at once, the rare
+        # words that differ split into their elements by their XOR, the
+        # snapshot word written back. Each changed element is recorded as the
+        # encoding it will end in needs, as the count grows past the points
+        # where the choice changes (sparse, then bitmask, then dense: the
+        # choice only moves that way as changes add up): mode 0 its value, its
+        # 16-bit offset and its block's count; mode 1 its value and its bit
+        # (the bits of the offsets recorded so far set at the switch); mode 2
+        # nothing (a dense part is sent from the snapshot), the rest of the
+        # data only counted and copied, a word at a time. Returns the number
+        # of changed elements.
         k = 0
-        width = a.shape[1]
-        for r in range(a.shape[0]):
+        wstep = step // lanes
+        for r in range(rows):
+            at = r * width
             k, mode = row(
-                aw[r],
-                bw[r],
-                a[r],
-                b[r],
-                r * width,
+                aw[r * wstep : r * wstep + words],
+                bw[r * words : (r + 1) * words],
+                a[r * step : r * step + width],
+                b[at : at + width],
+                at,
                 k,
                 mode,
                 lanes,
@@ -292,12 +306,12 @@ def _warm(dtype: Any) -> bool:
         bits = np.zeros(8, dtype=np.uint8)
         low, counts = np.zeros(a.size, dtype=np.uint16), np.zeros(1, dtype=np.int32)
         lanes = 8 // dtype.itemsize
-        x, y = a.reshape(1, -1), b.reshape(1, -1)
-        x, y = x[:, : x.shape[1] - x.shape[1] % lanes], y[:, : y.shape[1] - y.shape[1] % lanes]
+        words = a.size // lanes
         for mode in (0, 1, 2):
             diff(
-                x.view(np.int64), y.view(np.int64), x, y, lanes, 8 * dtype.itemsize, vals, low, counts, bits, 1, 2, mode
-            )
+                a.view(np.int64), b.view(np.int64), a, b, 1, a.size, a.size, lanes, 8 * dtype.itemsize, mode,
+                vals, low, counts, bits, 1, 2, words,
+            )  # fmt: skip
         apply_sparse(a, vals[:0], np.zeros(1, dtype=np.int32), np.zeros(0, dtype=np.uint16), a.size)
         popcount = np.zeros(256, dtype=np.int64)
         apply_bitmask(a, vals[:0], bits, a.size, popcount)
@@ -307,6 +321,12 @@ def _warm(dtype: Any) -> bool:
         return False
     _S.warm.add(dtype)
     return True
+
+
+def _no_words() -> Any:
+    import numpy as np
+
+    return np.zeros(0, dtype=np.int64)
 
 
 def _scratch(n: int) -> tuple[Any, Any, Any]:
@@ -347,21 +367,36 @@ def encode(
     diff = kernels[0]
     vals = o[: n * e].view(a.dtype)
     # Rows (one for a contiguous part): the new values may be rows of a larger
-    # tensor, read in place; the snapshot is contiguous, viewed the same way.
-    a = a.reshape(1, -1) if a.ndim == 1 else a
-    b = b.reshape(a.shape)
+    # tensor, read in place as the flat span that holds them; the snapshot is
+    # contiguous.
+    if a.strides[-1] != e:  # elements not adjacent: read as a copy (only the snapshot is written)
+        a = np.ascontiguousarray(a)
+    rows, width = (1, a.shape[0]) if a.ndim == 1 else a.shape
+    step = a.strides[0] // e if a.ndim == 2 and rows > 1 else width
+    span = (rows - 1) * step + width if rows else 0
+    a = np.lib.stride_tricks.as_strided(a, shape=(span,), strides=(e,))
+    b = b.reshape(-1)
     with _S.lock:  # one scratch per process
         low, counts, bits = _scratch(n)
         lanes = 8 // e
-        width = a.shape[1]
-        aligned = all(x.ctypes.data % 8 == 0 and x.strides[0] % 8 == 0 for x in (a, b))
-        # Unaligned data goes element by element (the kernel's tail loop).
-        full = width - width % lanes if aligned else 0
-        words_a, words_b = a[:, :full].view(np.int64), b[:, :full].view(np.int64)
+        # Rows that start at whole words go a word at a time (a row's last
+        # elements short of a word, and data that does not start at a whole
+        # word, element by element: the kernel's tail loop). The rows of the
+        # new values and of the snapshot start at whole words when the
+        # step and the width are whole words.
+        aligned = a.ctypes.data % 8 == 0 and b.ctypes.data % 8 == 0
+        if rows > 1 and (step % lanes or width % lanes):
+            aligned = False
+        words = width // lanes if aligned else 0
+        words_a = a[: span - span % lanes].view(np.int64) if aligned else _no_words()
+        words_b = b[: n - n % lanes].view(np.int64) if aligned else _no_words()
         to_bits = dense_from(n, e, speeds, (BITMASK, DENSE))
         to_dense = dense_from(n, e, speeds)
         mode = 2 if dense else 0
-        k = diff(words_a, words_b, a, b, lanes, 8 * e, vals, low, counts, bits, to_bits, to_dense, mode)
+        k = diff(
+            words_a, words_b, a, b, rows, width, step, lanes, 8 * e, mode,
+            vals, low, counts, bits, to_bits, to_dense, words,
+        )  # fmt: skip
         enc = (DENSE if k else SAME) if dense else choose(n, k, e, speeds)
         sec = sections(enc, n, k, e)
         if enc in (SAME, DENSE):
