@@ -214,6 +214,8 @@ def _malformed(case: str) -> tuple[int, int, torch.Tensor]:
         return F.BITMASK, 2, part[: F.part_size(F.BITMASK, 100, 2, 4)]
     if case == "same":  # nothing changed, says one did
         return F.SAME, 1, part[:0]
+    if case == "sparse0":  # sparse, says nothing changed
+        return F.SPARSE, 0, part[: F.part_size(F.SPARSE, 100, 0, 4)]
     return 7, 1, part[:8]  # no such encoding
 
 
@@ -224,6 +226,7 @@ def _malformed(case: str) -> tuple[int, int, torch.Tensor]:
         ("position", "names position 150"),
         ("bits", "3 bits set"),
         ("same", "encoding"),
+        ("sparse0", "encoding"),
         ("enc", "encoding"),
     ],
 )
@@ -236,6 +239,16 @@ def test_a_malformed_part_is_refused_before_anything_is_written(case, why, compi
     with pytest.raises(ValueError, match=why):
         E.apply_part(enc, k, part, dst)
     assert torch.equal(dst, base)
+
+
+def test_a_dense_part_sent_before_its_changes_were_counted_applies():
+    """A part predicted dense and not counted this refit says 0 changed: its
+    values land all the same (the header check allows it too)."""
+    base = torch.arange(100, dtype=torch.float32)
+    new = base + 1
+    dst = base.clone()
+    E.apply_part(F.DENSE, 0, new.view(torch.uint8).clone(), dst)
+    assert torch.equal(dst, new)
 
 
 def test_the_compiled_kernels_are_used_where_numba_is():
@@ -552,10 +565,10 @@ def test_pairs_that_cannot_prove_their_base_move_dense_then_deltas_resume(scenar
 
 BIG = TensorMeta("layers.0.big", (2048, 1024), "bfloat16")
 SMALL = TensorMeta("layers.0.small", (600_000,), "float32")
-MIXED = {2: (0.10, 0.002), 3: (0.30, 0.30), 4: (0.002, 1.0), 5: (0.10, 0.30), 6: (0.002, 0.002)}
+MIXED = {2: (0.10, 0.002), 3: (0.30, 0.30), 4: (0.002, 1.0), 5: (0.10, 0.30), 6: (0.002, 0.002), 7: (0.002, 0.002)}
 """Per refit, the share of ``BIG``'s and ``SMALL``'s elements that change
-(refit 4: ``BIG`` is predicted dense from refit 3, and goes dense though
-few of its elements changed)."""
+(refits 4 and 6: parts predicted dense from the refit before go dense
+though few of their elements changed; refit 7 finds them deltas again)."""
 
 
 @lru_cache(maxsize=16)
@@ -571,7 +584,7 @@ def _mixed(rank: int, address: str, recount: int = 1) -> list[dict]:
     """2 trainer ranks (rows of ``BIG``, halves of ``SMALL``) and 2 engine
     workers (columns of ``BIG``, worker 3 storing them transposed; halves of
     ``SMALL``: 1.2 MB halves, contiguous at both ends, so a part of it
-    predicted dense is sent straight from the trainer's tensor), six refits
+    predicted dense is sent straight from the trainer's tensor), seven refits
     at the densities of :data:`MIXED`, the senders' speeds pinned to
     :data:`PINNED`."""
     from reshard.transport import delta_io
@@ -588,7 +601,7 @@ def _mixed(rank: int, address: str, recount: int = 1) -> list[dict]:
         pieces = [PieceSpec(BIG, rows, "big", (1024, 1024)), PieceSpec(SMALL, half, "small", (300_000,))]
         s = Sender.from_pieces(pieces, {"big": tb, "small": ts}, config=cfg, rank=rank)
         s.session.delta.speeds.pinned = PINNED
-        for step in range(1, 7):
+        for step in range(1, 8):
             big, small = _mixed_values(step)
             tb.copy_(big[rank * 1024 : (rank + 1) * 1024])
             ts.copy_(small[rank * 300_000 : (rank + 1) * 300_000])
@@ -608,7 +621,7 @@ def _mixed(rank: int, address: str, recount: int = 1) -> list[dict]:
     r = Receiver(
         tensors, [w, PieceSpec(SMALL, Box((j * 300_000,), (300_000,)), "small", (300_000,))], config=cfg, rank=rank
     )
-    for step in range(1, 7):
+    for step in range(1, 8):
         st = r.pull(step).exec
         big, small = _mixed_values(step)
         got = tensors["big"].t() if j == 1 else tensors["big"]
@@ -635,7 +648,7 @@ def _mixed_wire(j: int, step: int) -> int:
             before = _box(_mixed_values(step - 2)[which], box)
             last = _bits_changed(_box(_mixed_values(step - 1)[which], box), before) / box.numel
         enc = F.choose(box.numel, k, e, PINNED)
-        if k and last is not None and F.choose(box.numel, math.ceil(last * box.numel / 2), e, PINNED) == F.DENSE:
+        if k and last is not None and F.choose(box.numel, math.ceil(last * box.numel), e, PINNED) == F.DENSE:
             enc = F.DENSE
         own = F.own_message(enc, box.numel, e, 1 << 20)
         total += (box.numel * e if own else F.part_size(enc, box.numel, k, e)) + F.HEADER_BYTES
@@ -648,10 +661,10 @@ def test_parts_predicted_dense_and_left_uncounted_stay_bit_exact():
     every destination still equals the trainer's values after every refit."""
     server = procs.StoreServer()
     out = procs.check(procs.run(_mixed, 4, server.address, 3, reuse=True))
-    for step in range(1, 7):
+    for step in range(1, 8):
         for j in (0, 1):
             assert out[2 + j][step - 1]["ok"], (j, step)
-    assert any(out[2][step - 1]["encodings"].get("dense") for step in range(3, 7))
+    assert any(out[2][step - 1]["encodings"].get("dense") for step in range(3, 8))
 
 
 def test_a_refit_mixes_dense_and_delta_parts_as_the_speeds_choose_and_stays_bit_exact():
@@ -663,7 +676,7 @@ def test_a_refit_mixes_dense_and_delta_parts_as_the_speeds_choose_and_stays_bit_
     snapshot is right), and the wire carries exactly the chosen parts."""
     server = procs.StoreServer()
     out = procs.check(procs.run(_mixed, 4, server.address, reuse=True))
-    for step in range(2, 7):
+    for step in range(2, 8):
         for rank in range(4):
             assert sorted(out[rank][step - 1]["delta"]) == ([2, 3] if rank < 2 else [0, 1]), (rank, step)
         for j in (0, 1):
@@ -674,10 +687,12 @@ def test_a_refit_mixes_dense_and_delta_parts_as_the_speeds_choose_and_stays_bit_
         assert out[2 + j][0]["ok"]
         # refit 2: BIG at 10% goes dense (by time; bitmask is smaller in bytes),
         # SMALL at 0.2% sparse; refit 4: BIG dense as predicted from refit 3
-        # (0.2% changed); refit 6: all sparse again.
+        # (0.2% changed); refit 6: both dense as predicted from refit 5 (10% and
+        # 30%), counted at 0.2%; refit 7: all sparse again.
         assert out[2 + j][1]["encodings"] == {"dense": 2, "sparse": 1}, out[2 + j][1]
         assert out[2 + j][3]["encodings"] == {"dense": 3}, out[2 + j][3]
-        assert out[2 + j][5]["encodings"] == {"sparse": 3}, out[2 + j][5]
+        assert out[2 + j][5]["encodings"] == {"dense": 3}, out[2 + j][5]
+        assert out[2 + j][6]["encodings"] == {"sparse": 3}, out[2 + j][6]
 
 
 # -- the cost model -----------------------------------------------------------------------------
