@@ -143,6 +143,31 @@ def test_float_dtypes_that_differ_move_in_the_source_dtype_and_cast_on_arrival()
     assert planner.order[0].dtype == "float32"
 
 
+def test_grids_indexed_in_bulk_keep_every_entry_and_who_declared_each_tensor():
+    """A grid's new tensors are indexed in bulk (one packed entry each); a
+    second grid holding one of them makes its entries a list, in order, and
+    problems still name the rank of the grid that declared it first."""
+    a, b = TensorMeta("a", (8,), "float32"), TensorMeta("b", (8,), "float32")
+    src = LayoutSet("source")
+    src.add_grid((a, b), Grid(tensors=(0, 2, 1), mesh=Mesh(shape=(2,), ranks=(4, 5)), shard=((0,),)))
+    assert (src.tensor_grids.get("a"), src.tensor_grids.get("b")) == ([(0, 0)], [(0, 1)])
+    src.add_grid((a, b), Grid(tensors=(1, 2, 1), mesh=Mesh(shape=(1,), ranks=(7,)), shard=((),)))
+    src.finish()
+    assert dict(src.tensor_grids.items()) == {"a": [(0, 0)], "b": [(0, 1), (1, 0)]}
+    assert "b" in src.tensor_grids and len(src.tensor_grids) == 2
+    assert (src.declared_by("a"), src.declared_by("b")) == (4, 4)
+    dst = LayoutSet("destination")
+    dst.add_grid(
+        (TensorMeta("b", (9,), "float32"),), Grid(tensors=(0, 1, 1), mesh=Mesh(shape=(1,), ranks=(9,)), shard=((),))
+    )
+    dst.finish()
+    (p,) = Planner(src, dst).problems()
+    assert (
+        p.ranks == (4, 9)
+        and "'b': source rank 4 has shape [8] float32, destination rank 9 needs shape [9]" in p.message
+    )
+
+
 def test_unknown_tensor():
     src = _grid_layouts(TensorMeta("a", (8,), "float32"), [0], 0)
     dst = _grid_layouts(TensorMeta("b", (8,), "float32"), [1], 0)

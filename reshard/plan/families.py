@@ -12,18 +12,16 @@ a mesh per family.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from reshard.errors import Problem
 from reshard.plan.box import Box
-from reshard.plan.index import LayoutSet, Ref
+from reshard.plan.index import POS_BITS, LayoutSet, Ref, unpack
 from reshard.plan.layout import GridInfo, Slot, TensorMeta, cast_ok, dtype_size, grid_box
 from reshard.plan.regions import Cells, Holders, Needs, cut
 
-__all__ = ["Family", "Geometry", "Side", "build_families"]
-
-_NONE: list = []
+__all__ = ["Entries", "Family", "Geometry", "Side", "build_families", "entries_of"]
 
 
 @dataclass(slots=True)
@@ -38,10 +36,20 @@ class Side:
     slots: tuple[Slot, ...]
 
 
-Member = tuple[str, int, str, list[tuple[int, int]], tuple[Slot, ...], list[tuple[int, int]], tuple[Slot, ...]]
+Entries = Sequence[tuple[int, int]] | int
+"""Where a tensor sits in one side's grids: its (grid id, position) list,
+aligned with the family's grids, or for a tensor in one grid the packed int
+of :class:`~reshard.plan.index.TensorGrids` (read with :func:`entries_of`)."""
+
+Member = tuple[str, int, str, Entries, tuple[Slot, ...], Entries, tuple[Slot, ...]]
 """A family's tensor: (name, ordinal, destination dtype, then per side (source,
-destination) its (grid id, position) list and explicit slots, aligned with the
-family's grids and slots). One tuple per tensor: this is built for every tensor."""
+destination) its grid entries and explicit slots, aligned with the family's
+grids and slots). One tuple per tensor: this is built for every tensor."""
+
+
+def entries_of(entries: Entries) -> Sequence[tuple[int, int]]:
+    """A member's grid entries as a (grid id, position) list."""
+    return [unpack(entries)] if isinstance(entries, int) else entries
 
 
 @dataclass(slots=True)
@@ -90,8 +98,9 @@ def build_families(
     dst_sides: list[Side] = []
     problems: list[Problem] = []
     missing: list[str] = []
-    s_grids_of, s_slots_of, s_geo_ids = src.tensor_grids.get, src.tensor_slots.get, src.geometry_ids()
-    d_grids_of, d_slots_of, d_geo_ids = dst.tensor_grids.get, dst.tensor_slots.get, dst.geometry_ids()
+    s_one, s_slots_of, s_geo_ids = src.tensor_grids.one.get, src.tensor_slots.get, src.geometry_ids()
+    d_one, d_slots_of, d_geo_ids = dst.tensor_grids.one.get, dst.tensor_slots.get, dst.geometry_ids()
+    s_no_slots, d_no_slots = not src.tensor_slots, not dst.tensor_slots
     for ordinal, meta in enumerate(order):
         name = meta.name
         smeta = src_metas.get(name)
@@ -106,10 +115,10 @@ def build_families(
                 Problem(
                     kind="mismatch",
                     tensor=name,
-                    ranks=(src.declared_by[name], dst.declared_by[name]),
+                    ranks=(src.declared_by(name), dst.declared_by(name)),
                     message=(
-                        f"tensor {name!r}: source rank {src.declared_by[name]} has shape {list(smeta.shape)} "
-                        f"{smeta.dtype}, destination rank {dst.declared_by[name]} needs shape "
+                        f"tensor {name!r}: source rank {src.declared_by(name)} has shape {list(smeta.shape)} "
+                        f"{smeta.dtype}, destination rank {dst.declared_by(name)} needs shape "
                         f"{list(meta.shape)} {meta.dtype}{why}"
                     ),
                 )
@@ -117,25 +126,26 @@ def build_families(
             continue
         order[ordinal] = smeta
         # describe() inlined for the common case (one grid a side, no
-        # explicit pieces): this loop runs once per tensor.
-        s_entries = s_grids_of(name, _NONE)
+        # explicit pieces): this loop runs once per tensor, and such a
+        # tensor's storage stays the packed (grid id, position) int.
+        s_entries: Entries = s_one(name)  # type: ignore[assignment]
         s_slots: tuple[Slot, ...] = ()
-        if len(s_entries) == 1 and not s_slots_of(name):
-            s_geo: object = s_geo_ids[s_entries[0][0]]
+        if s_entries is not None and (s_no_slots or not s_slots_of(name)):
+            s_geo: object = s_geo_ids[s_entries >> POS_BITS]  # type: ignore[operator]
         else:
             s_geo, (s_entries, s_slots) = src.describe(name)
-        d_entries = d_grids_of(name, _NONE)
+        d_entries: Entries = d_one(name)  # type: ignore[assignment]
         d_slots: tuple[Slot, ...] = ()
-        if len(d_entries) == 1 and not d_slots_of(name):
-            d_geo: object = d_geo_ids[d_entries[0][0]]
+        if d_entries is not None and (d_no_slots or not d_slots_of(name)):
+            d_geo: object = d_geo_ids[d_entries >> POS_BITS]  # type: ignore[operator]
         else:
             d_geo, (d_entries, d_slots) = dst.describe(name)
         shape = smeta.shape
         key = (shape, smeta.dtype, s_geo, d_geo)
         fam = families.get(key)
         if fam is None:
-            s_grids = tuple(g for g, _ in s_entries)
-            d_grids = tuple(g for g, _ in d_entries)
+            s_grids = tuple(g for g, _ in entries_of(s_entries))
+            d_grids = tuple(g for g, _ in entries_of(d_entries))
             sid = src_ids.setdefault((shape, s_geo), len(src_ids))
             if sid == len(src_sides):
                 src_sides.append(Side(shape, s_grids, s_slots))
@@ -160,12 +170,12 @@ def build_families(
             Problem(
                 kind="unknown-tensor",
                 tensor=missing[0],
-                ranks=tuple(sorted({dst.declared_by[n] for n in missing[:50]})),
+                ranks=tuple(sorted({dst.declared_by(n) for n in missing[:50]})),
                 message=(
                     f"{len(missing)} tensor(s) needed by destination ranks are published by no source: "
                     + ", ".join(repr(n) for n in missing[:8])
                     + (" ..." if len(missing) > 8 else "")
-                    + f" (first needed by rank {dst.declared_by[missing[0]]})"
+                    + f" (first needed by rank {dst.declared_by(missing[0])})"
                 ),
             )
         )

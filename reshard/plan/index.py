@@ -12,7 +12,7 @@ from __future__ import annotations
 import gc
 import re
 from collections import defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 
 from msgspec.structs import replace
@@ -21,7 +21,7 @@ from reshard.errors import Problem
 from reshard.plan.box import Box
 from reshard.plan.layout import Grid, GridInfo, Layout, Slot, TensorMeta, table_digest
 
-__all__ = ["LayoutSet", "gc_paused", "natural_key", "natural_order"]
+__all__ = ["POS_BITS", "POS_MASK", "LayoutSet", "TensorGrids", "gc_paused", "natural_key", "natural_order", "unpack"]
 
 _DIGITS = re.compile(r"(\d+)")
 _PAD = 20
@@ -87,6 +87,63 @@ def gc_paused():
 
 _EMPTY: list = []
 
+POS_BITS = 40
+"""A packed grid entry is ``grid id << POS_BITS | position`` (see :class:`TensorGrids`)."""
+POS_MASK = (1 << POS_BITS) - 1
+
+
+class TensorGrids:
+    """Per tensor name, the ``(grid id, position)`` of each grid that holds it.
+
+    A tensor indexed with its grid's whole run (each tensor in one grid, as
+    rules and engines publish them) is one int in :attr:`one`, ``grid id <<
+    40 | position``, not a list of tuples: a list and a tuple per tensor of
+    both sides were a quarter of one rank's planning memory at 45k tensors.
+    Every other tensor has a list in :attr:`many`. A tensor is in one of
+    the two, never both.
+    """
+
+    __slots__ = ("many", "one")
+
+    def __init__(self) -> None:
+        self.one: dict[str, int] = {}
+        self.many: dict[str, list[tuple[int, int]]] = {}
+
+    def add_run(self, names: list[str], gid: int) -> None:
+        """The tensors of grid ``gid`` at positions 0, 1, ...: names new to this index."""
+        base = gid << POS_BITS
+        self.one.update(zip(names, range(base, base + len(names))))
+
+    def append(self, name: str, gid: int, pos: int) -> None:
+        got = self.many.get(name)
+        if got is None:
+            packed = self.one.pop(name, None)
+            got = self.many[name] = [] if packed is None else [unpack(packed)]
+        got.append((gid, pos))
+
+    def get(self, name: str, default: Sequence[tuple[int, int]] = ()) -> Sequence[tuple[int, int]]:
+        packed = self.one.get(name)
+        if packed is not None:
+            return [unpack(packed)]
+        return self.many.get(name, default)
+
+    def items(self) -> Iterator[tuple[str, list[tuple[int, int]]]]:
+        for name, packed in self.one.items():
+            yield name, [unpack(packed)]
+        yield from self.many.items()
+
+    def __len__(self) -> int:
+        return len(self.one) + len(self.many)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.one or name in self.many
+
+
+def unpack(packed: int) -> tuple[int, int]:
+    """``(grid id, position)`` of a :attr:`TensorGrids.one` entry."""
+    return packed >> POS_BITS, packed & POS_MASK
+
+
 # A reference to where a piece lives, resolved to a Slot per tensor:
 # ("g", grid index, coord) for a grid, ("s", Slot) for an explicit piece.
 Ref = tuple
@@ -103,13 +160,14 @@ class LayoutSet:
         self.role = role
         self.check_ranks: frozenset[int] | None = None if check_ranks is None else frozenset(check_ranks)
         self.metas: dict[str, TensorMeta] = {}
-        self.declared_by: dict[str, int] = {}
+        self._declared_by: dict[str, int] = {}
+        self._grid_first: list[int | None] = []
         self.grids: list[GridInfo] = []
         self.grid_names: list[list[str]] = []
         self._grid_ids: dict[tuple[str, Grid], int] = {}
         self._grid_content: dict[tuple, int] = {}
         self._publishers: list[set[int] | None] = []
-        self.tensor_grids: dict[str, list[tuple[int, int]]] = defaultdict(list)
+        self.tensor_grids = TensorGrids()
         self.tensor_slots: dict[str, list[Slot]] = defaultdict(list)
         self.ranks: set[int] = set()
         self.problems: list[Problem] = []
@@ -135,23 +193,34 @@ class LayoutSet:
             s.finish()
         return s
 
+    def declared_by(self, name: str) -> int:
+        """The rank that declared tensor ``name`` first (named in problems)."""
+        got = self._declared_by.get(name)
+        if got is None:  # declared in bulk with the first grid that holds it
+            entries = self.tensor_grids.get(name)
+            first = self._grid_first[entries[0][0]] if entries else None
+            if first is None:
+                raise KeyError(name)
+            got = first
+        return got
+
     def _declare(self, meta: TensorMeta, rank: int) -> bool:
         old = self.metas.get(meta.name)
         if old is meta:
             return True
         if old is None:
             self.metas[meta.name] = meta
-            self.declared_by[meta.name] = rank
+            self._declared_by[meta.name] = rank
             return True
         if old != meta:
             self.problems.append(
                 Problem(
                     kind="mismatch",
                     tensor=meta.name,
-                    ranks=(self.declared_by[meta.name], rank),
+                    ranks=(self.declared_by(meta.name), rank),
                     message=(
                         f"{self.role} ranks disagree on tensor {meta.name!r}: rank "
-                        f"{self.declared_by[meta.name]} says shape {list(old.shape)} {old.dtype}, "
+                        f"{self.declared_by(meta.name)} says shape {list(old.shape)} {old.dtype}, "
                         f"rank {rank} says shape {list(meta.shape)} {meta.dtype}"
                     ),
                 )
@@ -190,16 +259,17 @@ class LayoutSet:
             self._add_grid(None, tensors, grid, publisher=None)
             return
         gid, info = self._new_grid(None, grid, None)  # a direct grid is never looked up again
-        metas, declared_by, tensor_grids = self.metas, self.declared_by, self.tensor_grids
+        metas, declared_by, tensor_grids = self.metas, self._declared_by, self.tensor_grids
         members = list(tensors[rng.start : rng.stop : rng.step])
         names = [m.name for m in members]
         if metas.keys().isdisjoint(names) and len(set(names)) == len(names):
             # Names new to this side (each tensor in one grid, as rules and
-            # engines publish them): declare and index them in bulk. This runs
-            # once per tensor and side for every rank's plan.
+            # engines publish them): declare and index them in bulk, the
+            # declaring rank kept once for the grid. This runs once per
+            # tensor and side for every rank's plan.
             metas.update(zip(names, members))
-            declared_by.update(dict.fromkeys(names, first))
-            tensor_grids.update(zip(names, ([(gid, pos)] for pos in range(len(names)))))
+            self._grid_first[gid] = first
+            tensor_grids.add_run(names, gid)
             self._grid_indexed(gid, info, names, members)
             return
         names = []
@@ -214,7 +284,7 @@ class LayoutSet:
             elif old is not meta and not self._declare(meta, first):
                 continue
             if old is meta or old == meta:
-                tensor_grids[name].append((gid, pos))
+                tensor_grids.append(name, gid, pos)
         self._grid_indexed(gid, info, names, list(tensors[rng.start : rng.stop : rng.step]))
 
     def _new_grid(self, key: tuple | None, grid: Grid, publisher: int | None) -> tuple[int, GridInfo]:
@@ -223,6 +293,7 @@ class LayoutSet:
             self._grid_ids[key] = gid
         info = GridInfo(grid)
         self.grids.append(info)
+        self._grid_first.append(None)
         self._publishers.append(set() if publisher is not None else None)
         return gid, info
 
@@ -267,7 +338,7 @@ class LayoutSet:
                 names.append(name)
                 old = metas.get(name)
                 if old is meta or old == meta:  # else a disagreement _declare reported
-                    tensor_grids[name].append((gid, pos))
+                    tensor_grids.append(name, gid, pos)
             self._grid_indexed(gid, info, names, list(tensors[rng.start : rng.stop : rng.step]))
         pubs = self._publishers[gid]
         if pubs is not None and publisher is not None:
@@ -502,7 +573,7 @@ class LayoutSet:
             self.geometry_id(len(self.grids) - 1)
         return self._geo_of_grid
 
-    def describe(self, name: str) -> tuple[object, tuple[list[tuple[int, int]], tuple[Slot, ...]]]:
+    def describe(self, name: str) -> tuple[object, tuple[Sequence[tuple[int, int]], tuple[Slot, ...]]]:
         """``(geometry key, storage)`` of one tensor in one pass (the planner's hot path).
 
         Storage is the tensor's own ``(grid id, position)`` list and explicit

@@ -54,7 +54,7 @@ from operator import attrgetter
 from reshard.errors import PlanError, Problem
 from reshard.plan.box import Box
 from reshard.plan.families import Family, Geometry, build_families
-from reshard.plan.index import LayoutSet, Ref, gc_paused, natural_order
+from reshard.plan.index import POS_BITS, POS_MASK, LayoutSet, Ref, gc_paused, natural_order
 from reshard.plan.items import RankPlan, Round, Transfer, TransferKind
 from reshard.plan.layout import Slot, TensorMeta, dtype_size, grid_box, storage_offset, zeros
 from reshard.plan.regions import Decision, Endpoint, bits, decide_for, problems, region
@@ -282,7 +282,11 @@ class Planner:
                             s_slot = (d_slots if fwd else s_slots)[sref[1]]
                         else:
                             # GridInfo.slot, inlined: twice per transfer.
-                            gid, pos = (d_entries if fwd else s_entries)[sref[1]]
+                            e = d_entries if fwd else s_entries
+                            if isinstance(e, int):
+                                gid, pos = e >> POS_BITS, e & POS_MASK
+                            else:
+                                gid, pos = e[sref[1]]
                             st = (dst_grids if fwd else src_grids)[gid].storage
                             box = sref[3]
                             dtype = dst_dtype if fwd else src_dtype
@@ -295,7 +299,10 @@ class Planner:
                         if dref[0] == "s":
                             d_slot = d_slots[dref[1]]
                         else:
-                            gid, pos = d_entries[dref[1]]
+                            if isinstance(d_entries, int):
+                                gid, pos = d_entries >> POS_BITS, d_entries & POS_MASK
+                            else:
+                                gid, pos = d_entries[dref[1]]
                             st = dst_grids[gid].storage
                             box = dref[3]
                             if st is None:
