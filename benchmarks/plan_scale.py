@@ -47,6 +47,10 @@ CASES = [
     ("deepseek-v3", "pp=16,ep=16", "tp=32,dp=8", "dgx-h100"),
     ("deepseek-v3", "pp=16,ep=64", "tp=32,dp=32", "dgx-h100"),
     ("deepseek-v3", "pp=16,ep=256", "tp=32,dp=128", "dgx-h100"),
+    # The world 8.5x the first DeepSeek-V3 case, an engine rank's peers the
+    # same (engine replicas added, the trainer kept): what grows with the
+    # world alone.
+    ("deepseek-v3", "pp=16,ep=16", "tp=32,dp=128", "dgx-h100"),
     ("kimi-k2", "pp=16,ep=16", "tp=32,dp=8", "dgx-h100"),
     ("kimi-k2", "pp=16,ep=64", "tp=32,dp=32", "dgx-h100"),
 ]
@@ -71,10 +75,11 @@ def _fresh() -> None:
     gc.collect()
 
 
-def _plan_one(t_side, e_side, domain_of, rank: int) -> tuple[float, float, float, float, int]:
+def _plan_one(t_side, e_side, domain_of, rank: int) -> tuple[float, float, float, float, int, int]:
     """Seconds to index, build the planner and plan, CPU seconds of all
     three (what other processes on the machine take from the wall clock
-    but not from this), and the plan's transfers."""
+    but not from this), the plan's transfers and its peers (the ranks it
+    sends to or receives from)."""
     with gc_paused():
         c0 = time.process_time()
         t0 = time.perf_counter()
@@ -87,8 +92,9 @@ def _plan_one(t_side, e_side, domain_of, rank: int) -> tuple[float, float, float
         t3 = time.perf_counter()
         cpu = time.process_time() - c0
         n = len(plan.transfers())
+        peers = {p for rp in plan.rounds for p in (*rp.sends, *rp.recvs)}
         del plan, planner, src, dst
-    return t1 - t0, t2 - t1, t3 - t2, cpu, n
+    return t1 - t0, t2 - t1, t3 - t2, cpu, n, len(peers)
 
 
 def _peak_bytes(t_side, e_side, domain_of, rank: int) -> int:
@@ -122,7 +128,7 @@ def run_case(model: str, trainer: str, engine: str, cluster: str, repeat: int = 
         for _ in range(repeat):
             _fresh()
             runs.append(_plan_one(t_side, e_side, domain_of, r))
-        index_s, planner_s, plan_s, cpu_s, n = min(runs, key=lambda x: x[0] + x[1] + x[2])
+        index_s, planner_s, plan_s, cpu_s, n, peers = min(runs, key=lambda x: x[0] + x[1] + x[2])
         peak = _peak_bytes(t_side, e_side, domain_of, r)
         side = t_side if r < tspec.world else e_side
         lay = side.layout_of(r)
@@ -138,6 +144,7 @@ def run_case(model: str, trainer: str, engine: str, cluster: str, repeat: int = 
                 "cpu_s": round(cpu_s, 4),
                 "peak_mb": round(peak / 1e6, 1),
                 "transfers": n,
+                "peers": peers,
                 "grids": len(lay.grids),
                 "layout_bytes": len(msgspec.msgpack.encode(grids_only)),
             }
@@ -177,13 +184,13 @@ def main() -> None:
         )
         print(
             f"  {'rank':>6} {'role':>8} {'index s':>8} {'planner s':>10} {'plan s':>8} {'total s':>8} "
-            f"{'cpu s':>6} {'peak MB':>8} {'transfers':>10} {'grids':>6} {'layout KB':>10}"
+            f"{'cpu s':>6} {'peak MB':>8} {'transfers':>10} {'peers':>6} {'grids':>6} {'layout KB':>10}"
         )
         for r in res["ranks"]:
             print(
                 f"  {r['rank']:>6} {r['role']:>8} {r['index_s']:>8.3f} {r['planner_s']:>10.3f} {r['plan_s']:>8.3f} "
-                f"{r['total_s']:>8.3f} {r['cpu_s']:>6.3f} {r['peak_mb']:>8.1f} {r['transfers']:>10} {r['grids']:>6} "
-                f"{r['layout_bytes'] / 1e3:>10.1f}"
+                f"{r['total_s']:>8.3f} {r['cpu_s']:>6.3f} {r['peak_mb']:>8.1f} {r['transfers']:>10} {r['peers']:>6} "
+                f"{r['grids']:>6} {r['layout_bytes'] / 1e3:>10.1f}"
             )
         print(flush=True)
 
