@@ -260,3 +260,56 @@ def test_a_destination_that_disagrees_on_a_huge_tensor_is_refused_without_walkin
     assert "destination ranks disagree on tensor 'model.w'" in big
     assert "[1099511627776, 4]" in big and "rank 2" in big
     assert big_work == small_work
+
+
+# -- what grows with the world ----------------------------------------------------
+
+
+def test_an_engine_ranks_plan_does_not_grow_per_tensor_with_engine_replicas():
+    """Engine replicas added, the trainer kept: an engine rank has the same
+    transfers, and its planning work and memory grow by a few lines and
+    bytes per added rank (its meshes list their ranks), less than one line
+    or one pointer per tensor and added rank (benchmarks/plan_scale.py
+    measures the same at DeepSeek-V3 scale)."""
+    import json
+    import tracemalloc
+    from pathlib import Path
+
+    import reshard.models
+    from reshard.costmodel.rules import EngineSpec, TrainerSpec, engine_layouts, trainer_layouts
+    from reshard.models.canonical import canonical_tensors
+    from reshard.plan.layout import clear_caches
+
+    configs = Path(reshard.models.__file__).parent / "configs"
+    config = json.loads((configs / "qwen3-30b-a3b.json").read_text())
+    config.update(num_hidden_layers=2, num_experts=32)
+    tensors = tuple(canonical_tensors(config))
+    trainer = TrainerSpec.parse("pp=2,ep=2")
+    t_side = trainer_layouts(tensors, config, trainer)
+    rank = trainer.world  # the first engine rank
+
+    def cost(dp: int) -> tuple[int, int, list[str]]:
+        e_side = engine_layouts(tensors, config, EngineSpec(tp=2, dp=dp), base=trainer.world)
+
+        def plan():
+            clear_caches()  # as the rank's own process: no mesh index yet
+            src = t_side.layout_set("source", check_ranks=(rank,))
+            dst = e_side.layout_set("destination", check_ranks=(rank,))
+            return Planner(src, dst, domain_of=lambda r: r // 8).plan_for(rank)
+
+        work, got = _work(plan)
+        clear_caches()
+        tracemalloc.start()
+        try:
+            plan()
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        return work, peak, sorted(str(t) for t in got.transfers())
+
+    small_work, small_peak, small = cost(2)
+    big_work, big_peak, big = cost(64)
+    added = 2 * (64 - 2)
+    assert big == small and len(small) > len(tensors)
+    assert big_work - small_work < added * len(tensors) // 2
+    assert big_peak - small_peak < added * len(tensors) * 8
