@@ -128,16 +128,18 @@ def build_families(
         # describe() inlined for the common case (one grid a side, no
         # explicit pieces): this loop runs once per tensor, and such a
         # tensor's storage stays the packed (grid id, position) int.
-        s_entries: Entries = s_one(name)  # type: ignore[assignment]
+        s_entries: Entries | None = s_one(name)
         s_slots: tuple[Slot, ...] = ()
-        if s_entries is not None and (s_no_slots or not s_slots_of(name)):
-            s_geo: object = s_geo_ids[s_entries >> POS_BITS]  # type: ignore[operator]
+        s_geo: object
+        if isinstance(s_entries, int) and (s_no_slots or not s_slots_of(name)):
+            s_geo = s_geo_ids[s_entries >> POS_BITS]
         else:
             s_geo, (s_entries, s_slots) = src.describe(name)
-        d_entries: Entries = d_one(name)  # type: ignore[assignment]
+        d_entries: Entries | None = d_one(name)
         d_slots: tuple[Slot, ...] = ()
-        if d_entries is not None and (d_no_slots or not d_slots_of(name)):
-            d_geo: object = d_geo_ids[d_entries >> POS_BITS]  # type: ignore[operator]
+        d_geo: object
+        if isinstance(d_entries, int) and (d_no_slots or not d_slots_of(name)):
+            d_geo = d_geo_ids[d_entries >> POS_BITS]
         else:
             d_geo, (d_entries, d_slots) = dst.describe(name)
         shape = smeta.shape
