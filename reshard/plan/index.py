@@ -132,12 +132,6 @@ class TensorGrids:
             yield name, [unpack(packed)]
         yield from self.many.items()
 
-    def __len__(self) -> int:
-        return len(self.one) + len(self.many)
-
-    def __contains__(self, name: object) -> bool:
-        return name in self.one or name in self.many
-
 
 def unpack(packed: int) -> tuple[int, int]:
     """``(grid id, position)`` of a :attr:`TensorGrids.one` entry."""
