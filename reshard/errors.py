@@ -23,7 +23,8 @@ class Problem(msgspec.Struct, frozen=True, kw_only=True):
     kind: str
     """``unknown-tensor``, ``mismatch``, ``out-of-range``, ``overlap``,
     ``uncovered``, ``grid``, ``layout``, ``link`` (a transfer no link of
-    the group can carry)."""
+    the group can carry), ``device`` (a local tensor a refit cannot use
+    where it is)."""
     message: str
     tensor: str = ""
     ranks: tuple[int, ...] = ()

@@ -25,6 +25,7 @@ from reshard.plan.index import LayoutSet
 from reshard.plan.layout import Slot, TensorMeta
 from reshard.transport import wire
 from reshard.transport.messages import DEFAULT_BUDGET_BYTES, align, local_view
+from reshard.transport.posting import Op, post_ops
 from reshard.transport.stats import ExecStats
 
 if TYPE_CHECKING:
@@ -194,11 +195,14 @@ def _holds(slots: list[Slot], rank: int, item: _Item) -> bool:
 def _gather(
     group: RefitGroup, tensors: Mapping, root: int, items: list[_Item], src_slots, buf, stats: ExecStats
 ) -> None:
-    """Every bucket piece goes from its lowest-ranked holder to the root."""
+    """Every bucket piece goes from its lowest-ranked holder to the root
+    (one NCCL group per bucket: single sends outside a group would build a
+    communicator per pair of ranks, lazily, inside the first refit)."""
     import torch
 
     rank = group.rank
-    works = []
+    device = group.device
+    ops: list[Op] = []
     keep = []
     for it in items:
         box = it.box
@@ -225,14 +229,15 @@ def _gather(
                     dst.copy_(src)
                     continue
                 tmp = torch.empty(part.sizes, dtype=dtype, device=buf.device)
-                works.append(group.pg.recv([tmp.view(-1).view(torch.uint8)], s.rank, 0))
+                ops.append(Op(False, tmp.view(-1).view(torch.uint8), s.rank, 0))
                 keep.append((dst, tmp))
             else:
-                packed = src.contiguous()
-                works.append(group.pg.send([packed.view(-1).view(torch.uint8)], root, 0))
+                # (A source in host memory is staged onto the group's device.)
+                packed = src.to(device=device, memory_format=torch.contiguous_format)
+                ops.append(Op(True, packed.view(-1).view(torch.uint8), root, 0))
                 keep.append((None, packed))
                 stats.bytes_sent += packed.numel() * packed.element_size()
-    for w in works:
+    for w in post_ops(group.pg, ops, device=device, backend=group.backend, coalesce=group.coalesces):
         w.wait()
     for dst, tmp in keep:
         if dst is not None:
@@ -254,16 +259,12 @@ def _broadcast_group(group: RefitGroup, root: int, engines: list[int], device) -
         opts._timeout = timeout
         opts._devices = [ProcessGroupGloo.create_default_device()]
         return ProcessGroupGloo(store, members.index(group.rank), len(members), opts)
-    from torch.distributed import ProcessGroupNCCL
+    from reshard.transport.joining import nccl_pg
 
-    nopts = ProcessGroupNCCL.Options()
-    nopts._timeout = timeout
     env = group.config.pg_env() if group.config.pg_env is not None else contextlib.nullcontext()
     with env:
         # The communicator is built now, inside ``pg_env`` (see GroupConfig).
-        pg = ProcessGroupNCCL(store, members.index(group.rank), len(members), nopts)
-        pg.eager_connect_single_device(device)
-    return pg
+        return nccl_pg(store, members.index(group.rank), len(members), device, timeout)
 
 
 def _unpack(tensors: Mapping, items: list[_Item], buf, dst_mine: dict[str, list[Slot]]) -> int:

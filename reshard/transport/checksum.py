@@ -28,7 +28,7 @@ def checksum(buf: torch.Tensor, backend: str) -> torch.Tensor:
     n = buf.numel()
     if backend != "nccl":
         host = buf.detach().cpu() if buf.device.type != "cpu" else buf.detach()
-        return torch.tensor([zlib.crc32(host.numpy().data), n], dtype=torch.int64)
+        return torch.tensor([zlib.crc32(host.numpy().data), n], dtype=torch.int64)  # host: gloo's checksum
     b = buf.detach()
     head = n - n % 4
     if b.data_ptr() % 4:

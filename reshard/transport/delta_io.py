@@ -184,7 +184,7 @@ def count_later(later: list, snaps: Snapshots, stats: ExecStats) -> None:
     if not later:
         return
     t0 = time.perf_counter()
-    none = torch.empty(0, dtype=torch.uint8)
+    none = torch.empty(0, dtype=torch.uint8)  # host: empty, never written (a count only)
     for t, new, snap, count in later:
         if count:
             _, k, _ = encode_part(new, snap, none, dense=True)

@@ -73,12 +73,12 @@ def _calibrate(device: torch.device) -> float:
     from reshard.transport.encoding import apply_part, encode_part
 
     n = CALIBRATION_ELEMENTS
-    base = torch.arange(n, dtype=torch.int32).to(torch.int16)
+    base = torch.arange(n, dtype=torch.int32).to(torch.int16)  # host: moved below
     new = base.clone()
     # One change in each run of 32 elements, at a random place in it (a
     # regular stride would let the branch predictor learn it).
     g = torch.Generator().manual_seed(0)
-    idx = torch.arange(0, n, 32) + torch.randint(0, 32, (n // 32,), generator=g)
+    idx = torch.arange(0, n, 32) + torch.randint(0, 32, (n // 32,), generator=g)  # host: moved below
     new[idx] ^= 1
     base, new = base.to(device), new.to(device)
     out = torch.empty(part_size(SPARSE, n, n, 2) + 2 * n, dtype=torch.uint8, device=device)

@@ -346,7 +346,7 @@ def apply_part(enc: int, k: int, part: torch.Tensor, dst: torch.Tensor) -> None:
     vals = part[: sec.values].view(dst.dtype)
     if dst.device.type == "cpu":
         idx = _positions_np(enc, n, k, part, sec)
-        idx_t = torch.from_numpy(idx)
+        idx_t = torch.from_numpy(idx)  # host: the numpy path
     else:
         idx_t = _positions_torch(enc, n, k, part, sec)
     if e == 16:  # complex128: no integer of its size; its copies are bitwise anyway

@@ -87,6 +87,7 @@ from reshard.transport.messages import (
     staging_need,
     torch_dtype,
 )
+from reshard.transport.posting import Op, off_device_locals, post_ops
 from reshard.transport.shm_links import ShmLinks
 from reshard.transport.stats import ExecStats, count_cast
 
@@ -229,7 +230,12 @@ class Executor:
         self.refit = refit
         self.delta = delta
         self._delta_peers = delta.peers if delta is not None else frozenset()
-        need = staging_need(plan, big_bytes, delta_peers=self._delta_peers)
+        self.off_device = off_device_locals(self.sources, self.device) | off_device_locals(
+            self.destinations, self.device
+        )
+        """Local tensors not on the group's device: their messages are staged
+        through the arena (which is), never posted in place."""
+        need = staging_need(plan, big_bytes, delta_peers=self._delta_peers, off_device=self.off_device)
         if need > budget_bytes:
             raise ValueError(
                 f"rank {plan.rank}: its busiest round needs {need} bytes of staging, over the budget of "
@@ -243,11 +249,15 @@ class Executor:
             if arena is None or arena.device != self.device or arena.numel() < need:
                 arena = self.arena = torch.empty(need, dtype=torch.uint8, device=self.device)
             self._arena = arena.narrow(0, 0, need)
+        self._stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
+        """The stream this executor packs and unpacks on (the caller's): what
+        its waits order NCCL's work before, and synchronize."""
         self._pool = cf.ThreadPoolExecutor(1, thread_name_prefix="reshard-wait")
         self._checked: set[tuple[str, str]] = set()
         self._stop = threading.Event()
         self._t0 = time.perf_counter()
         self._shm = ShmLinks(group, plan, big_bytes=big_bytes, refit=refit, stop=self._stop)
+        self._open_exports()
 
     def _timed(self, phase: str, since: float) -> None:
         if self._stats is not None:
@@ -269,13 +279,7 @@ class Executor:
         for peer, t in self._direct_in.get(rnd.index, ()):
             link = self.group.direct_link(peer, me)
             dst = local_view(self._tensor(t, "dst"), t.dst, t.box)
-            try:
-                if not self.group.peer_alive(peer):
-                    raise RuntimeError("its process is gone")
-                src = self.group.exported(peer, self._exports[peer][t.src.local])
-            except (OSError, RuntimeError, ValueError) as e:
-                where = "GPU memory (CUDA IPC)" if link == "ipc" else "shared memory"
-                raise self._error(f"cannot read {t.tensor!r} ({t.src.local!r}) from rank {peer}'s {where}: {e}") from e
+            src = self._open_export(peer, t)
             dst.copy_(local_view(src, t.src, t.box))
             if dst.is_cuda:
                 devices.update((dst.device, src.device))
@@ -294,6 +298,37 @@ class Executor:
             for dev in devices:
                 torch.cuda.current_stream(dev).synchronize()
         stats.timed("direct", time.perf_counter() - t0)
+
+    def _open_export(self, peer: int, t: Transfer) -> torch.Tensor:
+        """Source rank ``peer``'s exported tensor that ``t`` reads (mapped or
+        opened once, then kept), or a clear error."""
+        try:
+            if not self.group.peer_alive(peer):
+                raise RuntimeError("its process is gone")
+            return self.group.exported(peer, self._exports[peer][t.src.local])
+        except (OSError, RuntimeError, ValueError) as e:
+            if self.group.direct_link(peer, self.plan.rank) == "ipc":
+                where = "GPU memory (CUDA IPC)"
+                hint = (
+                    "; a sender whose CUDA allocator uses expandable_segments (PYTORCH_CUDA_ALLOC_CONF) shares "
+                    "its memory through pidfd_getfd, which needs ptrace permission over the sender's process"
+                )
+            else:
+                where, hint = "shared memory", ""
+            raise self._error(
+                f"cannot read {t.tensor!r} ({t.src.local!r}) from rank {peer}'s {where}: {e}{hint}"
+            ) from e
+
+    def _open_exports(self) -> None:
+        """Map or open every exported tensor this rank reads, before any round
+        is posted: one that cannot be opened fails the refit on every rank
+        before a byte moves, not in the middle of a round."""
+        seen: set[tuple[int, str]] = set()
+        for items in self._direct_in.values():
+            for peer, t in items:
+                if (peer, t.src.local) not in seen:
+                    seen.add((peer, t.src.local))
+                    self._open_export(peer, t)
 
     # -- views -------------------------------------------------------------
 
@@ -333,6 +368,13 @@ class Executor:
             raise self._error(
                 f"local tensor {slot.local!r} is not contiguous in memory; reshard needs contiguous local tensors"
             )
+        if v.device != self.device:
+            # Known only now for a tensor materialized on demand: never post it.
+            raise self._error(
+                f"local tensor {slot.local!r} for {t.tensor!r} is on {v.device}, the refit group's device is "
+                f"{self.device}; reshard receives into and sends from tensors on the group's device only "
+                "(others are staged when they are known before the refit starts)"
+            )
         out = v.view(-1).view(torch.uint8)
         if out.numel() != t.nbytes:
             # The local checks make this impossible; gloo would take a shorter
@@ -356,7 +398,9 @@ class Executor:
             stats.delta_peers = sorted(self._delta_peers)
             stats.dense_peers = dict(sorted(self.delta.dense.items()))
         t0 = self._t0 = time.perf_counter()
-        half = staging_need(self.plan, self.big_bytes, pipelined=False, delta_peers=self._delta_peers)
+        half = staging_need(
+            self.plan, self.big_bytes, pipelined=False, delta_peers=self._delta_peers, off_device=self.off_device
+        )
         pending: _Pending | None = None
         try:
             for k, rnd in enumerate(self.plan.rounds):
@@ -433,7 +477,7 @@ class Executor:
         receives and sends laid out, snapshots brought up to date, every
         message posted, direct reads done. ``base``: the offset of the
         arena's half this round stages in."""
-        staging_bytes, offsets = round_staging(rnd, self.big_bytes, self._delta_peers)
+        staging_bytes, offsets = round_staging(rnd, self.big_bytes, self._delta_peers, self.off_device)
         offsets = {k: v + base for k, v in offsets.items()}
         payloads, encoded, headers_in, later = self._deltas(rnd, offsets, stats)
         recv_ops = self._receives(rnd, offsets, headers_in, stats)
@@ -522,7 +566,7 @@ class Executor:
                         continue
                     dst = local_view(self._tensor(t, "dst"), t.dst, t.box)
                     size = t.box.numel * dst.element_size()
-                    if dst.is_contiguous():
+                    if dst.is_contiguous() and t.dst.local not in self.off_device:
                         buf, delta.own[i] = dst.view(-1).view(torch.uint8), None
                     else:
                         assert arena is not None
@@ -644,27 +688,17 @@ class Executor:
         per transfer, by peer."""
         import torch
 
-        group = self.group
-        pg = group.pg
-        if pg is None:
-            raise self._error("the refit group is closed")
         recv_peers = sorted(p for p in rnd.recvs if p in self._delta_peers)
         if not recv_peers and not payloads:
             return {}
         ins = {p: torch.empty((len(rnd.recvs[p]), 2), dtype=torch.int64, device=self.device) for p in recv_peers}
         outs = {
-            p: torch.tensor(rows, dtype=torch.int64).view(-1, 2).to(self.device) for p, (_, rows, _) in payloads.items()
+            p: torch.tensor(rows, dtype=torch.int64, device=self.device).view(-1, 2)
+            for p, (_, rows, _) in payloads.items()
         }
-        nccl = group.backend == "nccl"
-        works = []
-        if nccl:
-            pg._start_coalescing(self.device)
-        for p, buf in ins.items():
-            works.append(pg.recv([buf], p, HEADER_TAG))
-        for p, buf in outs.items():
-            works.append(pg.send([buf], p, HEADER_TAG))
-        if nccl:
-            works = [pg._end_coalescing(self.device)]
+        ops = [Op(False, buf, p, HEADER_TAG) for p, buf in ins.items()]
+        ops += [Op(True, buf, p, HEADER_TAG) for p, buf in outs.items()]
+        works = self._post_ops(ops)
         self._wait_works(
             works, sorted(set(recv_peers) | set(outs)), what="delta headers", stats=self._stats, phase="headers"
         )
@@ -674,29 +708,22 @@ class Executor:
 
     def _post(self, recvs: list, sends: list[_Send], sums_in: dict, keep: list) -> list:
         """Post one round's receives and sends (one NCCL group); with checksums,
-        each peer's checksum message follows its data messages."""
+        each peer's checksum message follows its data messages. Every send is
+        packed (and checksummed) before anything is posted, so nothing that
+        may raise runs inside the NCCL group (:mod:`reshard.transport.posting`)."""
         if not recvs and not sends:
             return []
         group = self.group
-        pg = group.pg
-        if pg is None:
-            why = "the refit group is closed"
-            if group.no_wire:
-                why = f"the refit group has no process group: {group.no_wire}"
-            raise self._error(why)
-        nccl = group.backend == "nccl"
-        works = []
         shm_in: dict[int, list[tuple[int, torch.Tensor]]] = {}
         shm_out: dict[int, list[tuple[int, torch.Tensor]]] = {}
-        if nccl:
-            pg._start_coalescing(self.device)
+        ops: list[Op] = []
         for buf, peer, tag in recvs:
             if group.shares_memory(peer):
                 shm_in.setdefault(peer, []).append((tag, buf))
             else:
-                works.append(pg.recv([buf], peer, tag))
+                ops.append(Op(False, buf, peer, tag))
         for peer, buf in sums_in.items():
-            works.append(pg.recv([buf], peer, buf.shape[0]))
+            ops.append(Op(False, buf, peer, buf.shape[0]))
         sums_out: dict[int, dict[int, torch.Tensor]] = {}
         for _, peer, tag, make in sends:
             buf = make()
@@ -711,21 +738,38 @@ class Executor:
             if group.shares_memory(peer):
                 shm_out.setdefault(peer, []).append((tag, buf))
             else:
-                works.append(pg.send([buf], peer, tag))
+                ops.append(Op(True, buf, peer, tag))
         if sums_out:
             import torch
 
             for peer, by_tag in sums_out.items():
                 table = torch.stack([by_tag[i] for i in range(len(by_tag))]).to(self.device)
                 keep.append(table)
-                works.append(pg.send([table], peer, len(by_tag)))
-        if nccl:
-            works = [pg._end_coalescing(self.device)]
+                ops.append(Op(True, table, peer, len(by_tag)))
+        works = self._post_ops(ops)
         for peer, bufs in shm_in.items():
             works.append(self._shm.receive(peer, bufs))
         for peer, bufs in shm_out.items():
             self._shm.send(peer, bufs)
         return works
+
+    def _post_ops(self, ops: list[Op]) -> list:
+        """Post ``ops`` on the group's process group (one NCCL group, closed
+        whatever happens; every buffer checked against the group's device
+        first)."""
+        if not ops:
+            return []
+        group = self.group
+        pg = group.pg
+        if pg is None:
+            why = "the refit group is closed"
+            if group.no_wire:
+                why = f"the refit group has no process group: {group.no_wire}"
+            raise self._error(why)
+        try:
+            return post_ops(pg, ops, device=self.device, backend=group.backend, coalesce=group.coalesces)
+        except ValueError as e:
+            raise self._error(str(e)) from e
 
     def _link(self, peer: int) -> str:
         return "shm" if self.group.shares_memory(peer) else self.group.backend
@@ -780,15 +824,22 @@ class Executor:
                 stats.timed(phase, time.perf_counter() - t0)
             return
         group = self.group
-        nccl = group.backend == "nccl"
+        stream = self._stream
 
         def wait_all() -> None:
-            for w in works:
-                w.wait()
-            if nccl:
-                import torch
+            if stream is None:
+                for w in works:
+                    w.wait()
+                return
+            import torch
 
-                torch.cuda.current_stream(self.device).synchronize()
+            # NCCL's wait orders the current stream after the work: make that
+            # this executor's stream (not this helper thread's default one, which
+            # an engine serving beside a staged refit keeps busy), then wait for it.
+            with torch.cuda.stream(stream):
+                for w in works:
+                    w.wait()
+            stream.synchronize()
 
         fut = self._pool.submit(wait_all)
         deadline = time.monotonic() + group.config.timeout_s

@@ -134,35 +134,44 @@ def describe(msg: list[Transfer], limit: int = 3) -> str:
 
 
 def staging_need(
-    plan: RankPlan, big_bytes: int = BIG_BYTES, *, pipelined: bool = True, delta_peers: frozenset[int] = frozenset()
+    plan: RankPlan,
+    big_bytes: int = BIG_BYTES,
+    *,
+    pipelined: bool = True,
+    delta_peers: frozenset[int] = frozenset(),
+    off_device: frozenset[str] = frozenset(),
 ) -> int:
     """Staging bytes ``plan`` needs: the busiest round's, twice when rounds are
     pipelined (two rounds in flight use alternate halves of the arena).
     ``delta_peers``: peers whose messages are sparse deltas (each round's
     payload staged whole, at most the dense size in the destination dtype;
-    see :mod:`reshard.transport.delta`)."""
+    see :mod:`reshard.transport.delta`). ``off_device``: local tensors not on
+    the group's device, whose messages are always staged (see
+    :func:`round_staging`)."""
     need = 0
     for rnd in plan.rounds:
-        need = max(need, round_staging(rnd, big_bytes, delta_peers)[0])
+        need = max(need, round_staging(rnd, big_bytes, delta_peers, off_device)[0])
     return 2 * need if pipelined and len(plan.rounds) > 1 else need
 
 
-def staging_bound(plan: RankPlan, big_bytes: int, maybe_delta: frozenset[int]) -> int:
+def staging_bound(
+    plan: RankPlan, big_bytes: int, maybe_delta: frozenset[int], off_device: frozenset[str] = frozenset()
+) -> int:
     """An upper bound of :func:`staging_need` for any choice of which of
     ``maybe_delta`` move deltas (known only once the plan is agreed): per
     round, each such peer's larger staging, dense or delta (slices sent to
     several peers counted for each)."""
     if not maybe_delta:
-        return staging_need(plan, big_bytes)
+        return staging_need(plan, big_bytes, off_device=off_device)
     need = 0
     for rnd in plan.rounds:
-        total = round_staging(rnd, big_bytes, maybe_delta)[0]
+        total = round_staging(rnd, big_bytes, maybe_delta, off_device)[0]
         for side, by_peer in ((0, rnd.sends), (1, rnd.recvs)):
             for peer, ts in by_peer.items():
                 if peer not in maybe_delta:
                     continue
                 one = Round(rnd.index, sends={peer: ts}) if side == 0 else Round(rnd.index, recvs={peer: ts})
-                dense = round_staging(one, big_bytes)[0]
+                dense = round_staging(one, big_bytes, off_device=off_device)[0]
                 total += max(0, dense - align(sum(dense_size(t) for t in ts)))
         need = max(need, total)
     return 2 * need if len(plan.rounds) > 1 else need
@@ -191,13 +200,20 @@ def link_summary(
     return summary
 
 
-def round_staging(rnd: Round, big_bytes: int, delta_peers: frozenset[int] = frozenset()) -> tuple[int, dict]:
+def round_staging(
+    rnd: Round, big_bytes: int, delta_peers: frozenset[int] = frozenset(), off_device: frozenset[str] = frozenset()
+) -> tuple[int, dict]:
     """(bytes, layout) of the staging a round needs; layout maps keys to offsets.
 
     A delta peer's messages of the round are one payload (``("dsend",
     peer)`` / ``("drecv", peer)``) of at most the dense size of its
     transfers in their destination dtype (see
-    :func:`reshard.plan.delta_format.dense_size`)."""
+    :func:`reshard.plan.delta_format.dense_size`). A big message from or
+    into a local tensor of ``off_device`` (one not on the group's device:
+    host memory in an NCCL group, say) is staged like a non-contiguous one:
+    the process group only ever sees the arena, which is on its device.
+    Which messages are staged is this rank's own business; the messages
+    themselves, cut by :func:`messages`, are the same on both sides."""
     offsets: dict[tuple, int] = {}
     total = 0
 
@@ -214,7 +230,7 @@ def round_staging(rnd: Round, big_bytes: int, delta_peers: frozenset[int] = froz
         for i, msg in enumerate(messages(rnd.sends[peer], big_bytes)):
             if len(msg) > 1 or msg[0].nbytes < big_bytes:
                 take(("send", peer, i), packed_size(msg))
-            elif not is_contiguous_slice(msg[0].src, msg[0].box):
+            elif not is_contiguous_slice(msg[0].src, msg[0].box) or msg[0].src.local in off_device:
                 t = msg[0]
                 # Pack once, send to every peer that gets the same slice.
                 take(("slice", t.kind, t.src.local, t.src.offset, t.box), t.nbytes)
@@ -223,7 +239,12 @@ def round_staging(rnd: Round, big_bytes: int, delta_peers: frozenset[int] = froz
             take(("drecv", peer), sum(dense_size(t) for t in rnd.recvs[peer]))
             continue
         for i, msg in enumerate(messages(rnd.recvs[peer], big_bytes)):
-            if len(msg) > 1 or msg[0].nbytes < big_bytes or not receives_in_place(msg[0]):
+            if (
+                len(msg) > 1
+                or msg[0].nbytes < big_bytes
+                or not receives_in_place(msg[0])
+                or msg[0].dst.local in off_device
+            ):
                 take(("recv", peer, i), packed_size(msg))
     return total, offsets
 

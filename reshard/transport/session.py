@@ -64,6 +64,7 @@ from reshard.transport.messages import (
     link_summary,
     staging_bound,
 )
+from reshard.transport.posting import off_device_locals, on_device
 from reshard.transport.progress import Progress, wants_progress
 from reshard.transport.stats import ExecStats, RefitStats
 
@@ -412,37 +413,40 @@ class RefitSession:
         started_at = time.time()
         with self._attempt(refit):
             group = self._enter(refit)
-            enter_s = time.perf_counter() - t0
-            exports = self.exports.publish(group, self.config, self.tensors, self.device, lambda: self._planned()[0])
-            plan, statuses, agree_s = self._agree_plan(group, refit, destinations, exports)
-            plan_s = time.perf_counter() - t0 - enter_s - agree_s
-            delta = self._delta_run(group, plan, statuses) if group.config.delta else None
-            if delta is not None and touched is not None:
-                delta.touched = touched
-            exported = self.exports.needed(group, statuses, exports[0])
-            ex_stats, error = self._execute(
-                group, plan, refit, destinations, after_round, before_transfer, delta, exported, after_transfer
-            )
-            agree_s += enter_s + self._agree_outcome(group, refit, error)
-            self.last_refit = refit
-            assert ex_stats is not None
-            if group.config.delta:
-                self._delta_done(group, plan, refit, destinations)
-                if self.is_source and self.delta.snapshots is not None:
-                    self.delta.speeds.saw(ex_stats, self.device)
-            return RefitStats(
-                refit=refit,
-                rank=self.rank,
-                exec=ex_stats,
-                plan_seconds=plan_s,
-                agree_seconds=agree_s,
-                total_seconds=time.perf_counter() - t0,
-                cpu_seconds=time.process_time() - cpu0,
-                round_bytes=self.round_bytes,
-                started_at=started_at,
-                finished_at=time.time(),
-                touched=frozenset(delta.touched) if delta is not None and not self.is_source else None,
-            )
+            with on_device(group.device):
+                enter_s = time.perf_counter() - t0
+                exports = self.exports.publish(
+                    group, self.config, self.tensors, group.device, lambda: self._planned()[0]
+                )
+                plan, statuses, agree_s = self._agree_plan(group, refit, destinations, exports)
+                plan_s = time.perf_counter() - t0 - enter_s - agree_s
+                delta = self._delta_run(group, plan, statuses) if group.config.delta else None
+                if delta is not None and touched is not None:
+                    delta.touched = touched
+                exported = self.exports.needed(group, statuses, exports[0])
+                ex_stats, error = self._execute(
+                    group, plan, refit, destinations, after_round, before_transfer, delta, exported, after_transfer
+                )
+                agree_s += enter_s + self._agree_outcome(group, refit, error)
+                self.last_refit = refit
+                assert ex_stats is not None
+                if group.config.delta:
+                    self._delta_done(group, plan, refit, destinations)
+                    if self.is_source and self.delta.snapshots is not None:
+                        self.delta.speeds.saw(ex_stats, group.device)
+                return RefitStats(
+                    refit=refit,
+                    rank=self.rank,
+                    exec=ex_stats,
+                    plan_seconds=plan_s,
+                    agree_seconds=agree_s,
+                    total_seconds=time.perf_counter() - t0,
+                    cpu_seconds=time.process_time() - cpu0,
+                    round_bytes=self.round_bytes,
+                    started_at=started_at,
+                    finished_at=time.time(),
+                    touched=frozenset(delta.touched) if delta is not None and not self.is_source else None,
+                )
 
     @contextlib.contextmanager
     def _attempt(self, refit: int) -> Iterator[None]:
@@ -547,7 +551,10 @@ class RefitSession:
         try:
             plan, links = self._planned()
             capable = capable_pairs(group, plan)
-            need = staging_bound(plan, self.big_bytes, frozenset(capable))
+            off = off_device_locals(self._refit_tensors(destinations), group.device)
+            need = staging_bound(plan, self.big_bytes, frozenset(capable), off)
+            if off and group.config.delta and self.is_source:
+                problems += (self._off_device_delta(group, off),)
             if group.config.delta:
                 delta_fields = self._delta_status(group, plan, destinations)
             if group.no_wire:
@@ -569,6 +576,25 @@ class RefitSession:
             recvs=links[1],
             exports=exports[1],
             **delta_fields,
+        )
+
+    def _refit_tensors(self, destinations: Mapping[str, torch.Tensor] | None) -> Mapping[str, torch.Tensor]:
+        """The local tensors a refit reads or writes on this rank."""
+        if self.is_source:
+            return self.tensors
+        return destinations if destinations is not None else self.tensors
+
+    def _off_device_delta(self, group: RefitGroup, off: frozenset[str]) -> Problem:
+        """Why a delta sender cannot send from tensors off the group's device."""
+        names = sorted(off)
+        more = f" and {len(names) - 3} more" if len(names) > 3 else ""
+        return Problem(
+            kind="device",
+            tensor=names[0],
+            ranks=(self.rank,),
+            message=f"source rank {self.rank}: delta refits compare a sender's tensors with its snapshot on the refit "
+            f"group's device ({group.device}), and local tensors {names[:3]}{more} are not on it (offloaded?): "
+            "refit them dense (GroupConfig(delta=False)) or keep them on the device",
         )
 
     def _execute(
@@ -599,7 +625,7 @@ class RefitSession:
                 destinations=destinations if destinations is not None else ({} if self.is_source else self.tensors),
                 budget_bytes=self.budget_bytes,
                 big_bytes=self.big_bytes,
-                device=self.device,
+                device=group.device,
                 after_round=after_round,
                 refit=refit,
                 checksums=self.config.checksums,
@@ -683,7 +709,7 @@ class RefitSession:
             )
         if not self.is_source:
             return DeltaRun(frozenset(peers), dense)
-        speeds = self.delta.speeds.speeds(self.device) if peers else None
+        speeds = self.delta.speeds.speeds(group.device) if peers else None
         return DeltaRun(frozenset(peers), dense, self.delta.snapshots, speeds)
 
     def cancel(self, reason: str | None) -> None:
@@ -713,15 +739,16 @@ class RefitSession:
             group = self._enter(refit)
             # Buckets must cut alike on every rank: the smallest budget of any rank.
             bucket_bytes = bucket_bytes or min(self.budgets.values(), default=0) or self.budget_bytes
-            ex = gather_broadcast(
-                group,
-                self._planner(),
-                refit,
-                tensors=destinations if destinations is not None else self.tensors,
-                device=self.device,
-                broadcast_groups=self.broadcast_groups,
-                bucket_bytes=bucket_bytes,
-            )
+            with on_device(group.device):
+                ex = gather_broadcast(
+                    group,
+                    self._planner(),
+                    refit,
+                    tensors=destinations if destinations is not None else self.tensors,
+                    device=group.device,
+                    broadcast_groups=self.broadcast_groups,
+                    bucket_bytes=bucket_bytes,
+                )
         self.last_refit = refit
         return RefitStats(
             refit=refit,

@@ -122,7 +122,7 @@ class Channel:
                 self._mm = mmap.mmap(fd, size)
             finally:
                 os.close(fd)
-            self.buf = torch.frombuffer(self._mm, dtype=torch.uint8)
+            self.buf = torch.frombuffer(self._mm, dtype=torch.uint8)  # host: a mapping
             self.head = self.buf[:_HEADER].view(torch.int64)
             self.head[1] = slot_bytes
             self.head[0] = _MAGIC
@@ -150,7 +150,7 @@ class Channel:
             os.close(fd)
         # Mapped: the name is no longer needed, and nothing is left behind.
         _unlink(self.path)
-        self.buf = torch.frombuffer(self._mm, dtype=torch.uint8)
+        self.buf = torch.frombuffer(self._mm, dtype=torch.uint8)  # host: a mapping
         self.head = self.buf[:_HEADER].view(torch.int64)
         if int(self.head[0]) != _MAGIC or int(self.head[1]) != slot_bytes:
             raise RuntimeError(f"shared-memory channel {name} has a bad header")
@@ -329,7 +329,7 @@ class ExportMaps:
             with warnings.catch_warnings():
                 # Read-only on purpose: a receiver never writes a trainer's memory.
                 warnings.simplefilter("ignore", UserWarning)
-                buf = torch.frombuffer(mm, dtype=torch.uint8)
+                buf = torch.frombuffer(mm, dtype=torch.uint8)  # host: a mapping
             got = self._maps[key] = (mm, buf)
         dtype = getattr(torch, e.dtype)
         return got[1].view(dtype).as_strided(e.shape, e.stride, e.offset)
