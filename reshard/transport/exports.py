@@ -76,7 +76,8 @@ class SessionExports:
             if not isinstance(self._exporter, CudaExporter):
                 self._exporter = CudaExporter()
             before = self._exporter.refused
-            out = self._exporter.exports(tensors, readers, epoch=group.epoch)
+            local = {r for rs in readers.values() for r in rs if group.same_process(r)}
+            out = self._exporter.exports(tensors, readers, epoch=group.epoch, local=local)
             where = "for CUDA IPC"
         else:
             if not config.export_sources:

@@ -99,6 +99,13 @@ class RefitGroup:
     """The raw c10d store of this epoch (process groups rendezvous on it)."""
     pg: Any
     backend: str
+    device: Any = None
+    """This rank's ``torch.device`` for the group: its communicator's CUDA
+    device (with its index), or the host. Every buffer posted on :attr:`pg`
+    is on it; local tensors elsewhere are staged."""
+    coalesces: bool = False
+    """Whether a round's operations are posted as one group (NCCL's; see
+    :mod:`reshard.transport.posting`)."""
     hellos: dict[int, wire.Hello] = field(default_factory=dict)
     keys: JobKeys | None = None
     epoch: int = 0
@@ -143,10 +150,7 @@ class RefitGroup:
         if not 0 <= rank < config.world_size:
             raise ValueError(f"refit rank {rank} outside 0..{config.world_size - 1}")
         role = "source" if rank < config.num_sources else "destination"
-        backend = config.backend
-        dev = torch.device(device)
-        if backend == "auto":
-            backend = "nccl" if dev.type == "cuda" else "gloo"
+        backend, dev = group_device(config.backend, torch.device(device), rank)
         timeout = datetime.timedelta(seconds=config.timeout_s)
         keys = job_keys(config.token, config.job, config.generation)
         deadline = time.monotonic() + config.timeout_s
@@ -187,6 +191,8 @@ class RefitGroup:
                 store=PrefixStore(f"e{epoch}", ns),
                 pg=None,
                 backend=backend,
+                device=dev,
+                coalesces=backend == "nccl",
                 keys=keys,
                 epoch=epoch,
                 cancelled=cancelled,
@@ -319,9 +325,21 @@ class RefitGroup:
             return ""
         if s.shm_host and s.shm_host == d.shm_host:
             return "shm"
-        if s.ipc_host and s.ipc_host == d.ipc_host and s.gpu and s.gpu in d.gpus:
+        if not (s.ipc_host and s.ipc_host == d.ipc_host and s.gpu and s.gpu in d.gpus):
+            return ""
+        # Across two GPUs NCCL carries the bytes over the same NVLink and no
+        # receiver opens a CUDA context on a foreign GPU (a few hundred MB
+        # each, which the engine never counted): CUDA IPC only within one
+        # GPU, or one process, or where no NCCL communicator can exist
+        # (ranks sharing a GPU).
+        if s.gpu == d.gpu or (s.process and s.process == d.process) or self.no_wire:
             return "ipc"
         return ""
+
+    def same_process(self, rank: int) -> bool:
+        """Whether ``rank`` runs in this rank's process (TRL's colocate mode)."""
+        mine, theirs = self.hellos.get(self.rank), self.hellos.get(rank)
+        return mine is not None and theirs is not None and bool(mine.process) and mine.process == theirs.process
 
     def shm_seq(self, src: int, dst: int, slot_bytes: int) -> int:
         """The next round number of the channel ``src -> dst`` with slots of
@@ -359,7 +377,7 @@ class RefitGroup:
 
             if self._cuda_imports is None:
                 self._cuda_imports = CudaImports(self.rank)
-            return self._cuda_imports.tensor(pid, export)
+            return self._cuda_imports.tensor(pid, export, local=self.same_process(src))
         from reshard.transport.shm import ExportMaps
 
         if self._export_maps is None:
@@ -368,12 +386,20 @@ class RefitGroup:
 
     def retain_exports(self, exports: Mapping[int, Iterable[wire.Export]]) -> None:
         """Unmap (or release) exported storages that no source rank publishes any longer."""
+        exports = {r: list(es) for r, es in exports.items()}
         published = [(self.hellos[r].pid, e) for r, es in exports.items() for e in es]
         if self._export_maps is not None:
             self._export_maps.retain({(pid, e.fd, e.inode) for pid, e in published if e.cuda is None})
         if self._cuda_imports is not None:
             key = self._cuda_imports.key
-            self._cuda_imports.retain({key(pid, e) for pid, e in published if e.cuda is not None})
+            self._cuda_imports.retain(
+                {
+                    key(self.hellos[r].pid, e, local=self.same_process(r))
+                    for r, es in exports.items()
+                    for e in es
+                    if e.cuda is not None
+                }
+            )
 
     def peer_alive(self, peer: int) -> bool:
         """False when ``peer`` runs on this host (shared memory, CUDA IPC) and its process is gone."""
@@ -628,6 +654,26 @@ class RefitGroup:
             with contextlib.suppress(Exception):
                 pg.abort()
         del pg
+
+
+def group_device(backend: str, dev: torch.device, rank: int) -> tuple[str, torch.device]:
+    """The process group a rank builds and the device its buffers are on,
+    from ``GroupConfig.backend`` and the device its tensors are on: ``auto``
+    takes NCCL for CUDA tensors, gloo otherwise; gloo posts host buffers
+    (CUDA tensors are staged through host memory); NCCL posts buffers on the
+    rank's current CUDA device when its tensors are in host memory (an
+    offloaded trainer: its shards are staged through the device)."""
+    import torch
+
+    if backend == "auto":
+        backend = "nccl" if dev.type == "cuda" else "gloo"
+    if backend == "gloo":
+        return backend, torch.device("cpu")
+    if dev.type != "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"refit rank {rank}: GroupConfig.backend is 'nccl' but this process sees no CUDA device")
+        dev = torch.device("cuda", torch.cuda.current_device())
+    return backend, dev
 
 
 def _fast_poll(world_size: int) -> float:

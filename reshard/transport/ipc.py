@@ -48,7 +48,7 @@ if TYPE_CHECKING:
 
     from reshard.transport.wire import Export
 
-__all__ = ["CudaExporter", "CudaImports", "gpu_uuid", "visible_gpus"]
+__all__ = ["CudaExporter", "CudaImports", "gpu_uuid", "local_storage", "visible_gpus"]
 
 
 def gpu_uuid(device: torch.device) -> str:
@@ -67,21 +67,61 @@ def visible_gpus() -> tuple[str, ...]:
     return tuple(gpu_uuid(torch.device("cuda", i)) for i in range(torch.cuda.device_count()))
 
 
+_LOCAL: dict[int, Any] = {}
+"""Storages exported to receivers in this same process, by key
+(:attr:`reshard.transport.wire.CudaIpc.local`): CUDA refuses to open an
+IPC handle in the process that made it, so those receivers take the
+storage itself from here."""
+
+
+def local_storage(key: int) -> Any:
+    """The storage this process exported under ``key`` to its own receivers."""
+    st = _LOCAL.get(key)
+    if st is None:
+        raise RuntimeError(f"no storage {key:#x} is exported in this process")
+    return st
+
+
 class _Shared:
-    """One CUDA storage registered for IPC: what every receiver opens, and
-    the reference counter of each."""
+    """One CUDA storage exported: what every receiver in another process
+    opens (registered once, on first need) and the reference counter of
+    each; receivers in this process take the storage itself."""
 
-    __slots__ = ("event", "event_sync", "handle", "nbytes", "offset", "refs", "storage")
+    __slots__ = ("event", "event_sync", "handle", "local", "nbytes", "offset", "refs", "storage")
 
-    def __init__(self, storage: Any, args: tuple) -> None:
+    def __init__(self, storage: Any) -> None:
         self.storage = storage  # held: its StorageImpl (and so its key) cannot be reused
-        _device, handle, nbytes, offset, _counter, _counter_offset, event, event_sync = args
-        self.handle = bytes(handle)
-        self.nbytes = int(nbytes)
-        self.offset = int(offset)
-        self.event = bytes(event) if event is not None else b""
-        self.event_sync = bool(event_sync)
+        self.nbytes = int(storage.nbytes())
+        self.handle = b""
+        self.offset = 0
+        self.event = b""
+        self.event_sync = False
         self.refs: dict[int, tuple[bytes, int]] = {}
+        self.local = 0
+        """Its key in :data:`_LOCAL` (0: no receiver of this process reads it)."""
+
+    def register(self, reader: int) -> None:
+        """Register the storage for ``reader`` in another process (one
+        reference counter each: the reader's to release)."""
+        args = self.storage._share_cuda_()
+        _device, handle, nbytes, offset, counter, counter_offset, event, event_sync = args
+        if not self.refs and not self.handle:
+            self.handle, self.nbytes, self.offset = bytes(handle), int(nbytes), int(offset)
+            self.event = bytes(event) if event is not None else b""
+            self.event_sync = bool(event_sync)
+        elif bytes(handle) != self.handle or int(offset) != self.offset:
+            raise RuntimeError("its IPC handle changed between registrations")
+        self.refs[reader] = (bytes(counter), int(counter_offset))
+
+    def share_locally(self) -> None:
+        if not self.local:
+            self.local = int(self.storage._cdata)
+            _LOCAL[self.local] = self.storage
+
+    def drop(self) -> None:
+        if self.local:
+            _LOCAL.pop(self.local, None)
+            self.local = 0
 
 
 class CudaExporter:
@@ -94,7 +134,12 @@ class CudaExporter:
         """Why the last call exported less than it was given (empty: it did not)."""
 
     def exports(
-        self, tensors: Mapping[str, torch.Tensor], readers: Mapping[str, Collection[int]], *, epoch: int
+        self,
+        tensors: Mapping[str, torch.Tensor],
+        readers: Mapping[str, Collection[int]],
+        *,
+        epoch: int,
+        local: Collection[int] = (),
     ) -> tuple[Export, ...]:
         """Describe the strided CUDA tensors of ``tensors`` that ``readers``
         names (tensor name -> the destination ranks that read it), registering
@@ -102,7 +147,9 @@ class CudaExporter:
         read a storage are registered for it: a registration nobody opens
         would keep the storage allocated after the trainer frees it. A new
         ``epoch`` (the group was rebuilt, and every receiver released what it
-        mapped) registers everything afresh."""
+        mapped) registers everything afresh. ``local``: readers in this
+        process, which take the storage itself (:func:`local_storage`)
+        instead of opening a handle CUDA would refuse them."""
         import torch
 
         from reshard.transport.wire import CudaIpc, Export, IpcRef
@@ -127,22 +174,16 @@ class CudaExporter:
             if st.nbytes() == 0:
                 continue  # nothing to read (and no allocation to share)
             key = int(st._cdata)
-            entry: _Shared | None = kept.get(key) or self._shared.get(key)
+            entry: _Shared = kept.get(key) or self._shared.get(key) or _Shared(st)
             try:
                 for r in wanted:
-                    if entry is not None and r in entry.refs:
-                        continue
-                    args = st._share_cuda_()
-                    if entry is None:
-                        entry = _Shared(st, args)
-                    elif bytes(args[1]) != entry.handle or int(args[3]) != entry.offset:
-                        raise RuntimeError("its IPC handle changed between registrations")
-                    # Each registration makes one counter: it is this reader's.
-                    entry.refs[r] = (bytes(args[4]), int(args[5]))
+                    if r in local:
+                        entry.share_locally()
+                    elif r not in entry.refs:
+                        entry.register(r)
             except (RuntimeError, TypeError, ValueError) as e:
                 self.refused = f"tensor {name!r}: {e}"
                 continue
-            assert entry is not None
             kept[key] = entry
             index = t.device.index if t.device.index is not None else torch.cuda.current_device()
             if index not in uuids:
@@ -164,6 +205,7 @@ class CudaExporter:
                         event=entry.event,
                         event_sync=entry.event_sync,
                         refs=tuple(IpcRef(reader=r, counter=c, counter_offset=o) for r, (c, o) in entry.refs.items()),
+                        local=entry.local,
                     ),
                 )
             )
@@ -171,6 +213,9 @@ class CudaExporter:
             self.refused = f"{skipped} tensors are not strided CUDA tensors"
         # Storages no longer among the tensors are let go (freed with the
         # trainer's last reference, or once their receivers release them).
+        for key, entry in self._shared.items():
+            if key not in kept:
+                entry.drop()
         self._shared = kept
         return tuple(out)
 
@@ -185,8 +230,12 @@ class CudaImports:
         self._index: dict[str, int] | None = None
 
     @staticmethod
-    def key(pid: int, e: Export) -> tuple:
+    def key(pid: int, e: Export, *, local: bool = False) -> tuple:
+        """What identifies the storage of ``e`` (exported by process ``pid``;
+        ``local``: by this very process)."""
         assert e.cuda is not None
+        if local:
+            return ("local", e.cuda.local, e.storage_bytes)
         return ("cuda", pid, e.cuda.handle, e.cuda.storage_offset, e.storage_bytes)
 
     def _device_index(self, gpu: str) -> int:
@@ -197,14 +246,17 @@ class CudaImports:
             raise RuntimeError(f"GPU {gpu} is not visible to this process")
         return i
 
-    def tensor(self, pid: int, e: Export) -> torch.Tensor:
-        """The sender's tensor ``e`` (process ``pid``), opened in this process."""
+    def tensor(self, pid: int, e: Export, *, local: bool = False) -> torch.Tensor:
+        """The sender's tensor ``e`` (process ``pid``), opened in this process;
+        ``local``: exported by this very process, taken as it is."""
         import torch
 
         c = e.cuda
         assert c is not None
-        key = self.key(pid, e)
+        key = self.key(pid, e, local=local)
         st = self._maps.get(key)
+        if st is None and local:
+            st = self._maps[key] = local_storage(c.local)
         if st is None:
             ref = next((r for r in c.refs if r.reader == self.rank), None)
             if ref is None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
+import secrets
 import socket
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
@@ -22,7 +23,22 @@ from reshard.transport.config import GroupConfig
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["check_hellos", "claim", "hello_for", "make_pg", "shared_gpus"]
+__all__ = [
+    "NCCL_ERROR_HANDLING",
+    "NCCL_TIMEOUT_MARGIN_S",
+    "PROCESS",
+    "check_hellos",
+    "claim",
+    "hello_for",
+    "make_pg",
+    "nccl_error_handling",
+    "nccl_pg",
+    "nccl_timeout",
+    "shared_gpus",
+]
+
+PROCESS = secrets.token_hex(8)
+"""This process's token in the hellos (:attr:`reshard.transport.wire.Hello.process`)."""
 
 
 def hello_for(
@@ -75,6 +91,8 @@ def hello_for(
         gpus=gpus,
         ipc_host=ipc_host,
         delta=config.delta,
+        process=PROCESS,
+        backend=backend,
     )
     return hello, dev
 
@@ -104,6 +122,11 @@ def check_hellos(hellos: Mapping[int, wire.Hello], config: GroupConfig, rank: in
     differ(
         "the group's role split (GroupConfig num_sources, num_destinations)",
         lambda h: f"{h.num_sources} sources + {h.num_destinations} destinations" if h.num_sources else "(not said)",
+    )
+    differ(
+        "the refit group's backend (every rank's buffers on GPUs for nccl, in host memory for gloo: a trainer "
+        "whose parameters are offloaded to the host passes Sender(device=...) or GroupConfig(backend=...))",
+        lambda h: f"{h.backend} ({h.device.split(':')[0]} tensors)" if h.backend else "(not said)",
     )
     differ("GroupConfig.checksums", lambda h: "on" if h.checksums else "off")
     differ("GroupConfig.delta", lambda h: "on" if h.delta else "off")
@@ -153,14 +176,60 @@ def make_pg(
                 opts._timeout = timeout
                 opts._devices = [ProcessGroupGloo.create_default_device()]
                 return ProcessGroupGloo(pg_store, rank, world, opts)
-            from torch.distributed import ProcessGroupNCCL
-
-            nopts = ProcessGroupNCCL.Options()
-            nopts._timeout = timeout
-            pg = ProcessGroupNCCL(pg_store, rank, world, nopts)
-            # One communicator for the whole group (not one per pair of
-            # ranks), built now, inside ``pg_env``.
-            pg.eager_connect_single_device(dev)
-            return pg
+            return nccl_pg(pg_store, rank, world, dev, timeout)
     except Exception as e:
         raise RefitError("join", {rank: f"building the {backend} process group failed: {e}"}) from e
+
+
+NCCL_ERROR_HANDLING = "2"
+"""``TORCH_NCCL_ASYNC_ERROR_HANDLING`` for the refit group's communicators:
+``CleanUpOnly`` (abort the communicator on an error or timeout, keep the
+process). torch's default, ``SkipCleanUp`` (3), tears the process down: a
+peer that dies without posting an abort would make the watchdog kill every
+engine worker it fed (and the reverse) before reshard's own deadline and
+abort run, so the engines that could have kept serving their old weights
+die instead, and the next refit has nobody to rejoin."""
+
+NCCL_TIMEOUT_MARGIN_S = 60.0
+"""How much later than reshard's own deadline (``GroupConfig.timeout_s``)
+NCCL's watchdog times a refit group's work out: reshard's executor, which
+polls the abort key and the clock, names the late peer first; the watchdog
+stays a last resort for a process whose Python no longer runs."""
+
+
+def nccl_timeout(timeout: datetime.timedelta) -> datetime.timedelta:
+    """The NCCL watchdog's timeout for a refit group whose own deadline is ``timeout``."""
+    return timeout + datetime.timedelta(seconds=NCCL_TIMEOUT_MARGIN_S)
+
+
+@contextlib.contextmanager
+def nccl_error_handling():
+    """``TORCH_NCCL_ASYNC_ERROR_HANDLING`` set to :data:`NCCL_ERROR_HANDLING`
+    while a ``ProcessGroupNCCL`` is built (each reads it in its
+    constructor), then put back: the trainer's and the engine's own groups
+    keep their settings."""
+    key = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
+    before = os.environ.get(key)
+    os.environ[key] = NCCL_ERROR_HANDLING
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = before
+
+
+def nccl_pg(store: Any, rank: int, world: int, dev: torch.device, timeout: datetime.timedelta) -> Any:
+    """A ``ProcessGroupNCCL`` of the refit group (or of the baseline's
+    broadcasts) on ``store``: its error handling and timeout leave failures
+    to reshard (:data:`NCCL_ERROR_HANDLING`, :func:`nccl_timeout`), and its
+    one communicator is connected now (not one per pair of ranks, lazily)."""
+    from torch.distributed import ProcessGroupNCCL
+
+    nopts = ProcessGroupNCCL.Options()
+    nopts._timeout = nccl_timeout(timeout)
+    with nccl_error_handling():
+        pg = ProcessGroupNCCL(store, rank, world, nopts)
+    pg.eager_connect_single_device(dev)
+    return pg

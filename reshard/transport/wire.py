@@ -84,6 +84,14 @@ class Hello(msgspec.Struct, frozen=True, kw_only=True, tag="hello"):
     tensors with ``GroupConfig.shared_memory``); empty: no CUDA IPC links."""
     delta: bool = False
     """Whether this rank runs delta refits (``GroupConfig.delta``; all must agree)."""
+    process: str = ""
+    """A random token of this rank's process: ranks with equal tokens run in
+    one process (TRL's colocate mode: a trainer rank and its vLLM worker),
+    where CUDA refuses to open an IPC handle the process exported itself."""
+    backend: str = ""
+    """The process group this rank builds (``gloo`` or ``nccl``; all must
+    agree: a gloo rank and an NCCL rank would each wait for the other's
+    process group forever). Empty: not said."""
 
 
 class RankLayout(msgspec.Struct, frozen=True, kw_only=True, tag="layout"):
@@ -128,6 +136,10 @@ class CudaIpc(msgspec.Struct, frozen=True, kw_only=True):
     event_sync: bool = False
     refs: tuple[IpcRef, ...] = ()
     """One counter per receiver that may map the storage."""
+    local: int = 0
+    """The storage's key in its exporting process, where receivers in that
+    same process find it (:func:`reshard.transport.ipc.local_storage`); 0:
+    none of them reads it. ``handle`` is empty when only they do."""
 
 
 class Export(msgspec.Struct, frozen=True, kw_only=True):
