@@ -33,7 +33,7 @@ from reshard.transport.session import DEFAULT_BUDGET_BYTES, RefitSession, RefitS
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["Sender", "default_rank", "default_rename"]
+__all__ = ["Sender", "default_device", "default_rank", "default_rename"]
 
 log = logging.getLogger("reshard")
 
@@ -130,8 +130,7 @@ class Sender:
         # Local tensors are checked against the layout at every push, where a
         # problem reaches every rank of the refit instead of only this one.
         if device is None:
-            # (A mapping that computes its tensors says where they live.)
-            device = getattr(tensors, "device", None) or (next(iter(tensors.values())).device if tensors else "cpu")
+            device = default_device(tensors)
         self.rank = rank
         self.layout = layout
         self.engine_stats: list[EngineStats] = []
@@ -232,6 +231,28 @@ class Sender:
 
     def close(self) -> None:
         self.session.close()
+
+
+def default_device(tensors: Mapping[str, torch.Tensor]) -> torch.device | str:
+    """The device a trainer rank refits from: its tensors' (a mapping that
+    computes its tensors says where they live); for tensors in host memory
+    on a rank whose default process group is NCCL (parameters offloaded by
+    FSDP2's ``CPUOffloadPolicy``, FSDP1's ``CPUOffload``, DeepSpeed's
+    offload), its current CUDA device: the engines it feeds are on GPUs, and
+    a gloo rank in an NCCL group is refused at join. Its host tensors are
+    staged through the device (:func:`reshard.transport.posting.off_device_locals`)."""
+    device = getattr(tensors, "device", None) or (next(iter(tensors.values())).device if tensors else "cpu")
+    if str(device).split(":")[0] != "cpu":
+        return device
+    try:
+        import torch
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized() and "nccl" in str(dist.get_backend()).lower():
+            return torch.device("cuda", torch.cuda.current_device())
+    except (ImportError, RuntimeError, ValueError):
+        pass
+    return device
 
 
 def default_rank() -> int:

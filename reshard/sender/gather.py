@@ -37,12 +37,25 @@ class _Part(msgspec.Struct, array_like=True, frozen=True):
 
 
 def gather_whole(
-    parts: Mapping[str, list[tuple[Box, torch.Tensor]]], shapes: Mapping[str, tuple[tuple[int, ...], str]]
+    parts: Mapping[str, list[tuple[Box, torch.Tensor]]],
+    shapes: Mapping[str, tuple[tuple[int, ...], str]],
+    *,
+    device: torch.device | str = "cpu",
 ) -> tuple[dict[str, torch.Tensor], int]:
     """Every tensor any rank holds a box of, whole on this rank (zero where
-    no rank holds it), and the bytes this rank received for them.
-    ``parts``: per tensor name, the boxes this rank holds and their values;
-    ``shapes``: the global shape and dtype of every tensor named there."""
+    no rank holds it), on ``device`` (where they are used: beside the
+    trainer's weights they are merged into), and the bytes this rank
+    received for them. ``parts``: per tensor name, the boxes this rank
+    holds and their values; ``shapes``: the global shape and dtype of every
+    tensor named there."""
+    out, received = _gather_whole(parts, shapes)
+    return {n: t.to(device) for n, t in out.items()}, received
+
+
+def _gather_whole(
+    parts: Mapping[str, list[tuple[Box, torch.Tensor]]], shapes: Mapping[str, tuple[tuple[int, ...], str]]
+) -> tuple[dict[str, torch.Tensor], int]:
+    """:func:`gather_whole`, assembled in host memory."""
     import torch
     import torch.distributed as dist
 
@@ -67,8 +80,8 @@ def gather_whole(
             rows.append(_Part(n, tuple(shape), dtype, box, at, data.numel()))
             chunks.append(data)
             at += data.numel()
-    header = torch.frombuffer(bytearray(msgspec.msgpack.encode(rows)), dtype=torch.uint8)
-    payload = torch.cat(chunks) if chunks else torch.zeros(0, dtype=torch.uint8)
+    header = torch.frombuffer(bytearray(msgspec.msgpack.encode(rows)), dtype=torch.uint8)  # host: moved to send
+    payload = torch.cat(chunks) if chunks else torch.zeros(0, dtype=torch.uint8)  # host: moved to send
     world = dist.get_world_size()
     sizes = torch.tensor([header.numel(), payload.numel()], dtype=torch.int64, device=device)
     all_sizes = [torch.zeros(2, dtype=torch.int64, device=device) for _ in range(world)]
@@ -83,7 +96,7 @@ def gather_whole(
         for part in msgspec.msgpack.decode(h[: int(s[0])].cpu().numpy().tobytes(), type=list[_Part]):
             full = out.get(part.name)
             if full is None:
-                full = out[part.name] = torch.zeros(part.shape, dtype=getattr(torch, part.dtype))
+                full = out[part.name] = torch.zeros(part.shape, dtype=getattr(torch, part.dtype))  # host: assembled
             vals = p[part.at : part.at + part.nbytes].cpu().view(full.dtype).view(part.box.sizes)
             full[tuple(slice(o, o + z) for o, z in zip(part.box.offsets, part.box.sizes, strict=True))] = vals
             if r != me:
@@ -98,7 +111,7 @@ def _assemble(
 
     out = {}
     for n, (shape, dtype) in shapes.items():
-        full = torch.zeros(shape, dtype=getattr(torch, dtype))
+        full = torch.zeros(shape, dtype=getattr(torch, dtype))  # host: assembled, moved by gather_whole
         for box, t in parts.get(n, ()):
             full[tuple(slice(o, o + s) for o, s in zip(box.offsets, box.sizes, strict=True))] = t.detach().cpu()
         out[n] = full

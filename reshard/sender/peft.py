@@ -80,9 +80,11 @@ def merged_box(info: LoraLayerInfo, box: Box, base: torch.Tensor, *, bias: bool 
             b = info.factors.get(f"b:{adapter}")
             if b is not None:
                 lo = box.offsets[0]
-                base += b[lo : lo + box.sizes[0]] * scaling
+                base += b[lo : lo + box.sizes[0]].to(base.device) * scaling
             continue
         a, b = info.factors[f"A:{adapter}"], info.factors[f"B:{adapter}"]
+        if b.device != base.device:  # (a policy whose locals live on several devices)
+            a, b = a.to(base.device), b.to(base.device)
         dtype = b.dtype
         cast = b.device.type == "cpu" and dtype in (torch.float16, torch.bfloat16)
         if cast:
@@ -322,7 +324,9 @@ def _describe(source: Any, ctx: ReadContext) -> Description | None:
     pieces, grids, local = ctx.inner(source, _renamer(layers, saved, user))
     by_weight = _layer_infos(layers)
     parts, shapes, pieces, grids = _split_factors(pieces, grids, local, ctx.rank)
-    factors, gathered = gather_whole(parts, shapes)
+    # Merged into clones of the local tensors: on their device.
+    device = next(iter(local.values())).device if local else "cpu"
+    factors, gathered = gather_whole(parts, shapes, device=device)
     _attach(factors, by_weight, ctx.rank)
     merges = _merges(pieces, grids, local, by_weight, ctx.rank)
     return pieces, grids, PeftPolicy(local, merges, gathered_bytes=gathered)  # type: ignore[return-value]

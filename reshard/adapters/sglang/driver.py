@@ -65,7 +65,8 @@ def command_payload(cmd: Command) -> str:
     import torch.multiprocessing  # registers the tensor reductions with ForkingPickler
 
     buf = io.BytesIO()
-    ForkingPickler(buf, 4).dump([(protocol.encode_command(cmd), torch.empty(0))])
+    placeholder = torch.empty(0)  # host: the tensor SGLang's API wants beside the command
+    ForkingPickler(buf, 4).dump([(protocol.encode_command(cmd), placeholder)])
     return base64.b64encode(buf.getvalue()).decode()
 
 

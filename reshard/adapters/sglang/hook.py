@@ -174,12 +174,17 @@ def _refuse(cmd: Command, rank: int, message: str) -> None:
 
     reason = " ".join(message.split())[:300]
     phantom = TensorMeta(f"<SGLang worker {rank} cannot refit: {reason}>", (1,), "float32")
+    # On the device the worker's weights are on: the group's backend (NCCL
+    # for GPU workers) is agreed at join, and a gloo rank among NCCL ranks
+    # would be refused there, without this reason.
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     try:
         receiver = Receiver(
-            {"phantom": torch.zeros(1)},
+            {"phantom": torch.zeros(1, device=device)},
             [PieceSpec(phantom, Box((0,), (1,)), "phantom", (1,))],
             config=cmd.group.config(),
             rank=rank,
+            device=device,
         )
         try:
             with contextlib.suppress(Exception):
