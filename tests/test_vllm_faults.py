@@ -69,9 +69,41 @@ def test_trainer_crash_mid_transfer_atomic_mode_keeps_every_old_weight(run):
     assert c["same_as_before"]
 
 
-@pytest.mark.parametrize("mode", ["default", "atomic"])
+@pytest.mark.parametrize("mode", ["default", "atomic", "default_nobackup", "atomic_nobackup"])
 def test_next_refit_after_a_crash_succeeds_without_restarting_the_engine(run, mode):
     r = run[mode]
     want = run["fresh_v2"] if r["target"] == run["v2"] else run["fresh_v1"]
     assert r["retry_tokens"] == want
     assert not r["status"]["mixed"]
+
+
+def test_on_a_cpu_direct_layers_are_copied_aside_before_they_are_written():
+    from reshard.adapters.vllm.update import keeps_backups
+
+    assert keeps_backups("cpu") and not keeps_backups("cuda:3") and not keeps_backups("cuda")
+
+
+def test_without_backups_a_worker_keeps_no_second_copy_and_a_crash_is_never_silent(run):
+    """As a GPU worker decides (keeps_backups): no old values of direct layers
+    are kept aside (GPU memory has no room for a second copy of the weights), direct layers
+    still take their bytes in place, and a trainer crash mid-transfer leaves
+    the engine mixed and says so."""
+    with_backups, r = run["default"], run["default_nobackup"]
+    assert with_backups["backup_bytes"] > 0  # (there are direct layers to copy on this model)
+    assert r["backup_bytes"] == 0
+    assert r["layers_direct"] == with_backups["layers_direct"] > 0
+    c = r["crashed"]
+    assert c["exitcode"] == 3
+    assert c["error"] is not None and noticed(c["error"], 0), c["error"]
+    assert c["status"]["mixed"]
+    assert "mixes old and new weights until a refit succeeds" in c["error"]
+
+
+def test_without_backups_atomic_mode_writes_nothing_in_place_and_keeps_every_old_weight(run):
+    r = run["atomic_nobackup"]
+    assert r["backup_bytes"] == 0
+    assert r["layers_direct"] == 0  # materialized instead, as atomic mode's cost says
+    c = r["crashed"]
+    assert c["exitcode"] == 3
+    assert not c["status"]["mixed"]
+    assert c["same_as_before"]

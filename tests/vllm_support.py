@@ -365,7 +365,20 @@ def faults_scenario(rank: int, v1: str, v2: str, address: str, soak: int) -> dic
         out["soak_last"] = paths[-1]
         small = 64 << 10  # many rounds, so the crash lands mid-transfer
         refit = soak
-        for gen, atomic in ((1, False), (3, True)):
+        # The last two: as a GPU worker decides (keeps_backups), no copy of a
+        # direct layer is kept (the engine runs in this process: the decision
+        # is swapped here, as the platform would make it).
+        modes = (
+            (1, False, "default"),
+            (3, True, "atomic"),
+            (5, False, "default_nobackup"),
+            (7, True, "atomic_nobackup"),
+        )
+        for gen, atomic, key in modes:
+            if key.endswith("_nobackup"):
+                import reshard.adapters.vllm.receiver as vllm_receiver
+
+                vllm_receiver.keeps_backups = lambda device: False  # type: ignore[assignment]
             cfg = {
                 "address": address,
                 "num_sources": 1,
@@ -375,7 +388,6 @@ def faults_scenario(rank: int, v1: str, v2: str, address: str, soak: int) -> dic
                 "budget_bytes": small,
                 "atomic": atomic,
             }
-            key = "atomic" if atomic else "default"
             init_workers(llm, cfg)
             before = greedy(llm)
             target = v1 if out["soak_last"] == v2 else v2
@@ -403,12 +415,22 @@ def faults_scenario(rank: int, v1: str, v2: str, address: str, soak: int) -> dic
                 "target": target,
                 "status": status(llm),
                 "layers_processed": st["layers_processed"],
+                "layers_direct": st["layers_direct"],
+                "backup_bytes": llm.collective_rpc(_backup_bytes)[0],
             }
             out["soak_last"] = target
     finally:
         shutdown(llm)
         del llm
     return out
+
+
+def _backup_bytes(worker) -> int:
+    """Bytes of old weights of direct layers a worker's receiver keeps aside
+    (run on the worker; tensors vLLM keeps live through a reload, a bias,
+    are copied aside on every platform: they are small)."""
+    model = worker._reshard.worker
+    return sum(t.nbytes for name, t in model.backups.items() if name.rpartition(".")[0] in model.direct)
 
 
 # -- servers ---------------------------------------------------------------------

@@ -186,7 +186,7 @@ def _probe(mod: torch.nn.Module) -> torch.Tensor | None:
         return None
     dtype = weight.dtype if weight.is_floating_point() else torch.get_default_dtype()
     g = torch.Generator().manual_seed(n_in)
-    x = torch.randn(3, n_in, generator=g).to(dtype=dtype, device=weight.device)
+    x = torch.randn(3, n_in, generator=g).to(dtype=dtype, device=weight.device)  # host: moved
     try:
         return apply(mod, x)
     except Exception:  # a layer that cannot run alone (a collective, a fused input)

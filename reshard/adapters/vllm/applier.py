@@ -160,8 +160,12 @@ def idle_priority() -> None:
 def _thread_context() -> Callable[[], contextlib.AbstractContextManager]:
     """What a thread needs to run engine code as the calling thread would:
     torch keeps the grad mode, inference mode, default device, current CUDA
-    device and intra-op thread count (OpenMP's, which a new thread would
-    take from the number of cores) per thread."""
+    device, current CUDA stream and intra-op thread count (OpenMP's, which a
+    new thread would take from the number of cores) per thread. The stream
+    matters: the layers a round released are processed from buffers the
+    executor's stream wrote, and a thread of its own would otherwise run on
+    its device's default stream, unordered with the caller's (a two-phase
+    stage receives on a side stream of its own)."""
     import torch
 
     threads = torch.get_num_threads()
@@ -169,6 +173,7 @@ def _thread_context() -> Callable[[], contextlib.AbstractContextManager]:
     inference = torch.is_inference_mode_enabled()
     default = torch.get_default_device()
     cuda = torch.cuda.current_device() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    stream = torch.cuda.current_stream(cuda) if cuda is not None else None
 
     @contextlib.contextmanager
     def enter() -> Iterator[None]:
@@ -176,6 +181,8 @@ def _thread_context() -> Callable[[], contextlib.AbstractContextManager]:
         if cuda is not None:
             torch.cuda.set_device(cuda)
         with contextlib.ExitStack() as stack:
+            if stream is not None:
+                stack.enter_context(torch.cuda.stream(stream))
             stack.enter_context(torch.inference_mode() if inference else torch.set_grad_enabled(grad))
             if default.type != "cpu":
                 stack.enter_context(default)

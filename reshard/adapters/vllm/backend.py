@@ -278,13 +278,13 @@ def _all_gather_failures(entries: list[WorkerReply], group) -> list[WorkerReply]
 
     data = msgspec.msgpack.encode(entries)
     n = dist.get_world_size(group)
-    size = torch.tensor([len(data)], dtype=torch.int64)
-    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(n)]
+    size = torch.tensor([len(data)], dtype=torch.int64)  # host: a gloo group
+    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(n)]  # host: a gloo group
     dist.all_gather(sizes, size, group=group)
     width = max(int(s) for s in sizes)
-    buf = torch.zeros(width, dtype=torch.uint8)
-    buf[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else buf[:0]
-    bufs = [torch.zeros(width, dtype=torch.uint8) for _ in range(n)]
+    buf = torch.zeros(width, dtype=torch.uint8)  # host: a gloo group
+    buf[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else buf[:0]  # host: a gloo group
+    bufs = [torch.zeros(width, dtype=torch.uint8) for _ in range(n)]  # host: a gloo group
     dist.all_gather(bufs, buf, group=group)
     out: list[WorkerReply] = []
     for b, s in zip(bufs, sizes, strict=True):

@@ -28,6 +28,8 @@ import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
+from reshard.errors import ReshardError
+
 if TYPE_CHECKING:
     import torch
 
@@ -62,6 +64,14 @@ def adopt_released_kernels(layer: torch.nn.Module, info: Any) -> list[str]:
             fresh = getattr(layer, name, None)
             if fresh is None or fresh is kernel or fresh.is_meta or kernel.shape == fresh.shape:
                 continue
+            if kernel.is_cuda and kernel.numel():
+                # A CUDA graph captured the kernel tensor's address: new data
+                # under the same Python object would never reach it.
+                raise ReshardError(
+                    f"{type(layer).__name__}.{name}: its live tensor is {list(kernel.shape)}, the reloaded one "
+                    f"{list(fresh.shape)}; on a GPU reshard copies into live tensors in place (CUDA graphs hold "
+                    "their addresses) and cannot adopt a tensor of another shape"
+                )
             kernel.data = fresh.data
             adopted.append(name)
     if adopted:

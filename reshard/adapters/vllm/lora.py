@@ -268,8 +268,8 @@ class AdapterReceiver:
                 )
                 b = TensorMeta(f"base_model.model.{sub}.lora_B.weight", (out_f, r), a.dtype)
                 metas.append((a, b))
-                probes_a.append(torch.arange(r * in_f, dtype=torch.int64).view(r, in_f))
-                probes_b.append(torch.arange(out_f * r, dtype=torch.int64).view(out_f, r))
+                probes_a.append(torch.arange(r * in_f, dtype=torch.int64).view(r, in_f))  # host: a probe
+                probes_b.append(torch.arange(out_f * r, dtype=torch.int64).view(out_f, r))  # host: a probe
                 mod.slices.append(_Slice(mname, i, sub, r, int(helper.lora_alpha), scaling))
             sliced_a, sliced_b = _slice(m, packed, probes_a, probes_b)
             for i, sl in enumerate(mod.slices):
@@ -280,7 +280,8 @@ class AdapterReceiver:
                 for which, meta, got in (("a", meta_ab[0], sliced_a[i]), ("b", meta_ab[1], sliced_b[i])):
                     local = f"{mname}#{i}.{which}"
                     setattr(sl, which, local)
-                    self.buffers[local] = torch.zeros(tuple(got.shape), dtype=self.dtype)
+                    # On the worker's device: the executor receives into them in place.
+                    self.buffers[local] = torch.zeros(tuple(got.shape), dtype=self.dtype, device=device)
                     pieces += _pieces_of(got, meta, local)
             self.modules.append(mod)
         missing = sorted(adapted - seen)

@@ -46,12 +46,13 @@ from reshard.adapters.vllm.lifecycle import (
     followers,
     released_kernels_adopted,
 )
-from reshard.adapters.vllm.update import LayerwiseUpdate, WorkerModel
+from reshard.adapters.vllm.update import LayerwiseUpdate, WorkerModel, keeps_backups
 from reshard.errors import MixedWeightsError, ReshardError
 from reshard.plan.layout import TensorMeta
 from reshard.plan.specs import build_layout
 from reshard.receiver import Receiver
 from reshard.transport.group import GroupConfig
+from reshard.transport.posting import on_device
 from reshard.transport.session import DEFAULT_BUDGET_BYTES
 
 if TYPE_CHECKING:
@@ -121,6 +122,18 @@ def _compile_ignored() -> Iterator[None]:
             setattr(cls, IGNORE_COMPILE_KEY, value)
 
 
+@contextlib.contextmanager
+def _on_stream(stream: Any) -> Iterator[None]:
+    """``stream`` current for the block (nothing for ``None``)."""
+    if stream is None:
+        yield
+        return
+    import torch
+
+    with torch.cuda.stream(stream):
+        yield
+
+
 @dataclass(slots=True)
 class _Staging:
     """Phase 1 of a two-phase refit, running in a thread of its own."""
@@ -174,8 +187,11 @@ class VllmReceiver:
             )
         self.layout = build_layout(rank, self.learned.pieces)
         modules = dict(model.named_modules())
+        self.device = device
         self._cpu = str(device).split(":")[0] == "cpu"
         self._buffers: dict[str, torch.Tensor] | None = None
+        self._stage_stream: Any = None
+        """The CUDA stream two-phase stages receive on (beside the engine's)."""
         with vllm_context(vllm_config):
             direct = direct_layers(modules, self.learned, self.learned.whole())
         if config.pg_env is None:
@@ -192,6 +208,8 @@ class VllmReceiver:
             # On CPU, layers are materialized in the staging buffers (see WorkerModel.pool);
             # with deltas those are the base the next delta patches: never processed in place.
             pool=self._staging_buffers() if self._cpu and not config.delta else None,
+            backup_direct=keeps_backups(device),
+            device=None if self._cpu else device,
         )
         self.rank = rank
         self.receiver = Receiver(
@@ -228,14 +246,14 @@ class VllmReceiver:
         so a failed refit leaves every old weight in place; it costs one
         materialized copy of everything this worker keeps
         (:attr:`kept_bytes`) for the length of the refit."""
-        with vllm_context(self.vllm_config):
+        with vllm_context(self.vllm_config), on_device(self.device):
             return self._pull(refit, method, self.atomic if atomic is None else atomic)
 
     def _pull(self, refit: int, method: str, atomic: bool) -> dict[str, Any]:
         self._wait_staging()
         if self.delta:
             return self._pull_delta(refit, method, atomic)
-        update = LayerwiseUpdate(self.worker, refit)
+        update = LayerwiseUpdate(self.worker, refit, atomic=atomic)
         t0 = time.perf_counter()
         with self._applying(update), Applier(update.after_round, self._apply_pool, idle=self._cpu) as applier:
             stats = self.receiver.pull(
@@ -354,17 +372,25 @@ class VllmReceiver:
     def _staging_buffers(self) -> dict[str, torch.Tensor]:
         """One zeroed buffer per parameter, of its checkpoint-loading shape and
         dtype; kept for the next refit (regions no piece writes, such as
-        vocabulary padding, stay zero, as vLLM's loader leaves them)."""
+        vocabulary padding, stay zero, as vLLM's loader leaves them).
+
+        On a GPU worker they are pinned host memory, on purpose: they hold a
+        copy of everything the worker keeps, and GPU memory has no room for
+        a second copy of the weights (the KV cache was sized to fill it). The
+        executor receives into its staging arena on the device and copies
+        each slice out (:func:`reshard.transport.posting.off_device_locals`);
+        a commit copies each layer back in (host-to-device, pinned)."""
         import torch
 
         if self._buffers is None:
             dtypes: dict[str, str] = {}
             for p in self.learned.pieces:
                 dtypes.setdefault(p.local, p.local_dtype or p.tensor.dtype)
+            pinned = not self._cpu and torch.cuda.is_available()
             # Parameters only a loader tensor writes need no buffer: the
             # loader runs on the staged loader tensor.
             self._buffers = {
-                name: torch.zeros(shape, dtype=getattr(torch, dtypes[name]))
+                name: torch.zeros(shape, dtype=getattr(torch, dtypes[name]), device="cpu", pin_memory=pinned)
                 for name, shape in self.learned.local_shapes.items()
                 if name in dtypes
             }
@@ -380,10 +406,15 @@ class VllmReceiver:
         buffers = self._staging_buffers()
         job = _Staging(refit, method)
 
+        stream = self._side_stream()
+
         def run() -> None:
             t0 = time.perf_counter()
             try:
-                job.stats = self.receiver.pull(refit, method=method, destinations=buffers)
+                # On a GPU, on a stream of its own: the engine keeps serving on
+                # its own streams meanwhile, and neither waits for the other.
+                with on_device(self.device), _on_stream(stream):
+                    job.stats = self.receiver.pull(refit, method=method, destinations=buffers)
             except BaseException as e:  # reported by staging_state / commit
                 job.error = e
             job.seconds = time.perf_counter() - t0
@@ -391,6 +422,16 @@ class VllmReceiver:
         job.thread = threading.Thread(target=run, name=f"reshard-stage-{refit}", daemon=True)
         self._staging = job
         job.thread.start()
+
+    def _side_stream(self) -> Any:
+        """The CUDA stream two-phase stages receive on (``None`` on a CPU)."""
+        if self._cpu:
+            return None
+        import torch
+
+        if self._stage_stream is None:
+            self._stage_stream = torch.cuda.Stream(device=self.device)
+        return self._stage_stream
 
     def _wait_staging(self) -> None:
         """Let a staging thread still running (a failed refit winding down on
@@ -428,7 +469,7 @@ class VllmReceiver:
         if not self.staging_state(refit):
             raise ReshardError(f"engine rank {self.rank}: refit {refit} is still being staged")
         assert job is not None and self._buffers is not None
-        with vllm_context(self.vllm_config):
+        with vllm_context(self.vllm_config), on_device(self.device):
             t0 = time.perf_counter()
             update = self._apply(refit, job.stats.touched)
         self._staging = None

@@ -30,7 +30,7 @@ from reshard.plan.items import RankPlan
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["STEPS", "LayerwiseUpdate", "WorkerModel"]
+__all__ = ["STEPS", "LayerwiseUpdate", "WorkerModel", "keeps_backups"]
 
 STEPS = {
     "begin": "initialize_layerwise_reload: every layer's parameters put on the meta device, live tensors kept aside "
@@ -85,6 +85,13 @@ class WorkerModel:
     backups: dict[str, torch.Tensor] = field(default_factory=dict)
     """Where the old values of live tensors written in place are kept during
     a refit (kept from one refit to the next: no fresh pages each time)."""
+    backup_direct: bool = True
+    """Whether a direct layer's old values are copied aside before a refit
+    writes them in place (:func:`keeps_backups`). Without, a refit that
+    fails after it wrote a direct layer leaves the engine mixed (and says
+    so), and an atomic refit writes no layer in place."""
+    device: Any = None
+    """Where loader tensors are received (the worker's device; ``None``: the host)."""
 
     def __post_init__(self) -> None:
         if not self.modules:
@@ -111,8 +118,26 @@ class WorkerModel:
             import torch
 
             meta = self.learned.via_loader[local.removeprefix(LOADER_PREFIX)].tensor
-            buf = self.loader_buffers[local] = torch.zeros(meta.shape, dtype=getattr(torch, meta.dtype))
+            buf = self.loader_buffers[local] = torch.zeros(
+                meta.shape, dtype=getattr(torch, meta.dtype), device=self.device
+            )
         return buf
+
+
+def keeps_backups(device: Any) -> bool:
+    """Whether a worker on ``device`` copies its direct layers aside before a
+    refit writes them in place. On a CPU, the engine's memory is host RAM and
+    few layers are direct (oneDNN repacks most linear weights, so they
+    reload through vLLM's lifecycle): the copies are small, and a failed
+    refit puts every old weight back. On a GPU, an unquantized linear layer's
+    processing does nothing, so almost every bf16 layer is direct: the copies
+    would be a second copy of the weights, for good, in memory the KV cache
+    was sized to fill (an 8B model at TP=1 needs 16 GB more), so none are
+    kept: a refit that fails after it wrote a direct layer leaves the
+    engine mixed, as one that fails after it processed a layer does, and
+    says so (:class:`~reshard.errors.MixedWeightsError`); atomic refits
+    materialize those layers instead (their documented cost)."""
+    return str(device).split(":")[0] == "cpu"
 
 
 @dataclass(slots=True)
@@ -135,14 +160,18 @@ _NEVER = 1 << 62
 class LayerwiseUpdate:
     """State of one refit inside vLLM's layerwise reload lifecycle."""
 
-    def __init__(self, owner: WorkerModel, refit: int) -> None:
+    def __init__(self, owner: WorkerModel, refit: int, *, atomic: bool = False) -> None:
+        """``atomic``: a failed refit must leave every old weight in place, so
+        layers are written in place only where their old values are copied
+        aside first (:attr:`WorkerModel.backup_direct`)."""
         self.owner = owner
         self.refit = refit
         self.started = False
         self.layers: dict[str, _Layer] = {}
         self.layer_of: dict[str, _Layer] = {}
+        in_place = owner.backup_direct or not atomic
         for mod_name, params in owner.learned.layers.items():
-            layer = _Layer(mod_name, owner.modules[mod_name], params, direct=mod_name in owner.direct)
+            layer = _Layer(mod_name, owner.modules[mod_name], params, direct=in_place and mod_name in owner.direct)
             self.layers[mod_name] = layer
             for p in params:
                 self.layer_of[p] = layer
@@ -232,12 +261,14 @@ class LayerwiseUpdate:
             raise ReshardError(f"{local!r} written after its layer {layer.name!r} was processed")
         if layer.direct and not layer.materialized:
             # Bytes land where the engine reads them; the old values are kept
-            # aside to put back if the refit fails before the layer is done.
-            t0 = time.perf_counter()
-            with torch.no_grad():
-                for p in layer.params:
-                    self.live[p] = self.owner.backup(p, _attr(self.owner.modules, p))
-            self._tick("backup", t0)
+            # aside to put back if the refit fails before the layer is done
+            # (on a CPU; see keeps_backups).
+            if self.owner.backup_direct:
+                t0 = time.perf_counter()
+                with torch.no_grad():
+                    for p in layer.params:
+                        self.live[p] = self.owner.backup(p, _attr(self.owner.modules, p))
+                self._tick("backup", t0)
             layer.materialized = True
             self.n_direct += 1
         if not layer.materialized:
@@ -458,13 +489,26 @@ class LayerwiseUpdate:
         self.started = False
         self._release_pool()
         done = sum(1 for layer in self.layers.values() if layer.processed)
-        if done:
-            # Some layers already carry the new weights: say so loudly.
+        # Direct layers written in place without a copy of their old values
+        # (on a GPU) cannot be put back either.
+        unkept = (
+            0
+            if self.owner.backup_direct
+            else sum(1 for layer in self.layers.values() if layer.direct and layer.materialized and not layer.processed)
+        )
+        if done or unkept:
+            # Some layers already carry (some of) the new weights: say so loudly.
+            what = f"{done} of {len(self.layers)} layers took the new weights"
+            if unkept:
+                what += (
+                    f" and {unkept} more were written in place without a copy of their old weights (none is "
+                    "kept on a GPU)"
+                )
             raise MixedWeightsError(
                 getattr(error, "step", "apply"),
                 {
-                    self.owner.rank: f"refit failed after {done} of {len(self.layers)} layers took the new "
-                    f"weights; the engine now mixes old and new weights until a refit succeeds ({error})"
+                    self.owner.rank: f"refit failed after {what}; the engine now mixes old and new weights until "
+                    f"a refit succeeds ({error})"
                 },
                 version=self.refit,
             ) from error
