@@ -86,12 +86,13 @@ ZOO_TESTS := tests/test_zoo.py tests/test_zoo_options.py
 EXAMPLE_TESTS := tests/test_examples.py
 LANED := $(SGLANG_TESTS) $(VLLM_TESTS) $(FRAMEWORK_TESTS) $(TRAINER_TESTS) $(ZOO_TESTS) $(EXAMPLE_TESTS)
 
-# The planner, transport, sender, shared-memory and recording tests also run
-# under the SGLang venv's torch 2.14.1 (GPU users' vLLM 0.33 pins torch 2.14),
+# The planner, transport, sender, shared-memory, recording and GPU-path tests
+# also run under the SGLang venv's torch 2.14.1 (GPU users' vLLM 0.33 pins torch 2.14),
 # so a drift in the private torch pieces reshard relies on shows on every
 # landing.
 CORE_TESTS := tests/test_plan_properties.py tests/test_plan_tables.py tests/test_flat_boxes.py \
-	tests/test_transport.py tests/test_shm.py tests/test_ipc.py tests/test_sender_fsdp.py tests/test_recording.py
+	tests/test_transport.py tests/test_shm.py tests/test_ipc.py tests/test_sender_fsdp.py tests/test_recording.py \
+	tests/test_gpu_path.py
 # Under torch 2.14.1, not the randomized many-layout runs and the larger
 # worlds: they use the same torch pieces as the tests kept (which still move
 # bytes over gloo and shared memory, export and read shards, read FSDP2),

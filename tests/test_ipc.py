@@ -50,8 +50,11 @@ def _plans() -> dict[int, RankPlan]:
     return {r: planner.plan_for(r) for r in range(4)}
 
 
-def _hello(rank: int, gpu: str, *, ipc_host: str = "h", gpus: tuple[str, ...] = ("GPU-a", "GPU-b")) -> wire.Hello:
+def _hello(
+    rank: int, gpu: str, *, ipc_host: str = "h", gpus: tuple[str, ...] = ("GPU-a", "GPU-b"), process: str = ""
+) -> wire.Hello:
     return wire.Hello(
+        process=process or f"p{rank}",
         rank=rank,
         role="source" if rank < 2 else "destination",
         domain="d",
@@ -142,8 +145,45 @@ def test_ranks_on_distinct_gpus_keep_the_process_group():
     g = _group(0, hellos)
     assert g.no_wire == ""
     assert g.direct_link(0, 3) == ""  # rank 3 does not see GPU-a
+    # A peer GPU it sees: NCCL carries the bytes (over the same NVLink), and
+    # the receiver opens no CUDA context on the foreign GPU.
     hellos[3] = _hello(3, "GPU-a2", gpus=("GPU-a", "GPU-a2"))
-    assert _group(0, hellos).direct_link(0, 3) == "ipc"  # a peer GPU it sees: IPC beside NCCL
+    assert _group(0, hellos).direct_link(0, 3) == ""
+    # Unless both ranks are one process (TRL's colocate mode): read in-process.
+    hellos[0] = _hello(0, "GPU-a", process="one")
+    hellos[3] = _hello(3, "GPU-a2", gpus=("GPU-a", "GPU-a2"), process="one")
+    g = _group(3, hellos)
+    assert g.direct_link(0, 3) == "ipc" and g.same_process(0) and not g.same_process(1)
+
+
+def test_a_source_read_by_its_own_process_is_shared_without_an_ipc_handle():
+    """CUDA refuses to open an IPC handle in the process that made it: a
+    reader in the exporting process takes the storage itself (a key into
+    this process's exports), and no handle is registered for it."""
+    from reshard.transport import ipc
+
+    shared = ipc._Shared(torch.zeros(8).untyped_storage())
+    shared.share_locally()
+    try:
+        assert shared.local and ipc.local_storage(shared.local) is shared.storage
+        assert shared.handle == b"" and shared.refs == {}
+        # The receiver keys it by that, never by a handle.
+        e = wire.Export(
+            local="w",
+            fd=-1,
+            inode=0,
+            storage_bytes=32,
+            dtype="float32",
+            shape=(8,),
+            stride=(1,),
+            offset=0,
+            cuda=wire.CudaIpc(gpu="GPU-a", handle=b"", storage_offset=0, local=shared.local),
+        )
+        assert ipc.CudaImports.key(1, e, local=True) == ("local", shared.local, 32)
+    finally:
+        shared.drop()
+    with pytest.raises(RuntimeError, match="exported in this process"):
+        ipc.local_storage(shared.local or 1)
 
 
 @pytest.mark.parametrize("gpus", [("GPU-a",) * 4, ("GPU-a", "GPU-b", "GPU-a", "GPU-b")], ids=["one-gpu", "two-gpus"])
