@@ -1,5 +1,7 @@
-"""GPU check (one GPU): pack/unpack cost of real plans vs a device copy, and the
-NCCL calls the transport makes. Run by ``benchmarks/gpu_check.sh``.
+"""GPU check (one GPU), run by ``benchmarks/gpu_check.sh``: every case in a
+process of its own under a timeout, one ``PASS``/``FAIL`` line per case in
+``<out>/gpu_check.txt`` (every report in ``gpu_check.log``). The cases of
+the GPU path are in ``benchmarks/gpu_cases.py``; these are the older ones:
 
 1. Plans: Llama-3-8B, trainer fsdp=8 -> engine tp=8 (vLLM layout), planned
    by the real planner for one trainer rank (sender) and one engine rank
@@ -7,11 +9,7 @@ NCCL calls the transport makes. Run by ``benchmarks/gpu_check.sh``.
    local tensors (bf16, on the GPU) and a staging buffer, as the executor
    does; timed against one contiguous device-to-device copy of the same
    bytes.
-2. NCCL: a one-rank ProcessGroupNCCL built on a TCPStore as the refit group
-   builds it (eager connect, coalesced send/recv to itself, abort), with
-   data checked. Two ranks on one GPU are not allowed by NCCL, so this is as
-   much of the NCCL path as one GPU runs.
-3. Colocated (CUDA IPC): four real processes on the one GPU, two trainer
+2. Colocated (CUDA IPC): four real processes on the one GPU, two trainer
    ranks (FSDP2-style ``Shard(0)``) and two engine workers (vLLM TP=2
    layout) of ``reshard bench --case colocated``'s model, joined with
    ``GroupConfig(shared_memory=True)``: no process group (the GPU is
@@ -25,11 +23,11 @@ NCCL calls the transport makes. Run by ``benchmarks/gpu_check.sh``.
 from __future__ import annotations
 
 import argparse
-import datetime
-import socket
+import functools
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import replace
 
 
@@ -95,31 +93,6 @@ def pack_unpack(torch) -> list[tuple]:
         contiguous = sum(tr.nbytes for tr in transfers if (tr.src if rank < 8 else tr.dst).is_plain())
         rows.append((side, len(transfers), total, t_plan, t_copy, contiguous))
     return rows
-
-
-def nccl_path(torch) -> str:
-    from torch.distributed import PrefixStore, ProcessGroupNCCL, TCPStore
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    store = PrefixStore("reshard/gpu-check/g0", TCPStore("127.0.0.1", port, None, True, wait_for_workers=False))
-    opts = ProcessGroupNCCL.Options()
-    opts._timeout = datetime.timedelta(seconds=60)
-    pg = ProcessGroupNCCL(PrefixStore("pg", store), 0, 1, opts)
-    dev = torch.device("cuda", torch.cuda.current_device())
-    pg.eager_connect_single_device(dev)
-    src = torch.arange(1 << 20, dtype=torch.int32, device=dev)
-    dst = torch.zeros_like(src)
-    pg._start_coalescing(dev)
-    pg.recv([dst.view(torch.uint8)], 0, 0)
-    pg.send([src.view(torch.uint8)], 0, 0)
-    work = pg._end_coalescing(dev)
-    work.wait()
-    torch.cuda.current_stream(dev).synchronize()
-    ok = bool(torch.equal(src, dst))
-    pg.abort()
-    return "ok" if ok else "DATA MISMATCH"
 
 
 def _colocated_run(rank: int, address: str, refits: int, device: str, layers: int | None) -> dict:
@@ -235,40 +208,153 @@ def colocated(torch, refits: int = 6, device: str = "cuda", layers: int | None =
     return "\n".join(lines), ok
 
 
+def _pack_unpack_case(cpu: bool = False) -> tuple[bool, str]:
+    import torch
+
+    lines = [f"{'side':<26}{'transfers':>10}{'GB':>8}{'pack/unpack ms':>16}{'d2d copy ms':>13}{'ratio':>8}"]
+    for side, n, total, tp, tc, _contiguous in pack_unpack(torch):
+        lines.append(f"{side:<26}{n:>10}{total / 1e9:>8.2f}{tp * 1e3:>16.2f}{tc * 1e3:>13.2f}{tp / tc:>8.2f}")
+    return True, "\n".join(lines)
+
+
+def _colocated_case(cpu: bool = False) -> tuple[bool, str]:
+    import torch
+
+    report, ok = colocated(torch, device="cpu" if cpu else "cuda", layers=1 if cpu else None)
+    return ok, report
+
+
+def _cases() -> dict[str, tuple[Callable[..., tuple[bool, str]], bool, int, str]]:
+    """name -> (run, runs on a CPU too, timeout in seconds, what the runner expects: ``pass``, or a
+    control's ``hang`` / ``killed``)."""
+    import gpu_cases as c
+
+    return {
+        "pack_unpack": (_pack_unpack_case, False, 120, "pass"),
+        "nccl_self": (c.nccl_self, False, 60, "pass"),
+        "coalescing_exception": (c.coalescing_exception, False, 60, "pass"),
+        "coalescing_left_open": (c.coalescing_left_open, False, 30, "hang"),
+        "watchdog": (c.watchdog, False, 75, "pass"),
+        "watchdog_default": (functools.partial(c.watchdog, default=True), False, 75, "killed"),
+        "executor_dense": (functools.partial(c.executor, "dense"), True, 90, "pass"),
+        "executor_checksums": (functools.partial(c.executor, "checksums"), True, 90, "pass"),
+        "executor_delta": (functools.partial(c.executor, "delta"), True, 120, "pass"),
+        "executor_cpu_destination": (functools.partial(c.executor, "cpu_destination"), True, 90, "pass"),
+        "ipc_same_process": (c.ipc_same_process, True, 90, "pass"),
+        "colocated": (_colocated_case, True, 180, "pass"),
+        "ipc_expandable": (c.ipc_expandable, False, 180, "pass"),
+    }
+
+
+def _run_case(name: str, cpu: bool) -> int:
+    """In the case's own process: run it, print its report and one ``RESULT`` line."""
+    run = _cases()[name][0]
+    try:
+        ok, summary = run(cpu=cpu)
+    except Exception:
+        import traceback
+
+        traceback.print_exc()
+        ok, summary = False, "raised (see above)"
+    print(summary, flush=True)
+    print(f"RESULT {'PASS' if ok else 'FAIL'}", flush=True)
+    return 0 if ok else 1
+
+
+def _verdict(expect: str, rc: int | None, timed_out: bool, stdout: str) -> tuple[str, str]:
+    """``(PASS or FAIL, why)`` of a case that ended so; a control passes by
+    hanging or being torn down, as it is expected to."""
+    if timed_out:
+        if expect == "hang":
+            return "PASS", "hung as expected (the defect this guards against is real)"
+        return "FAIL", "timed out"
+    if rc is not None and rc < 0:
+        if expect == "killed":
+            return "PASS", f"torn down by signal {-rc} as expected under torch's default error handling"
+        return "FAIL", f"killed by signal {-rc}"
+    if expect != "pass":
+        return "FAIL", f"expected the control to {expect}; it exited {rc}"
+    lines = stdout.strip().splitlines()
+    passed = rc == 0 and bool(lines) and lines[-1] == "RESULT PASS"
+    # The summary: the report's first line (the log has all of it).
+    report = lines[:-1] if lines and lines[-1].startswith("RESULT") else lines
+    return ("PASS" if passed else "FAIL"), (report[0] if report else f"no report (exit {rc})")
+
+
+def run_all(out_dir: str, cpu: bool, only: list[str]) -> int:
+    """Each case in a process of its own under its timeout; one PASS/FAIL line
+    per case to ``out_dir/gpu_check.txt`` (and every report to ``gpu_check.log``)."""
+    import pathlib
+    import subprocess
+
+    out = pathlib.Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    results, log = out / "gpu_check.txt", out / "gpu_check.log"
+    failed = 0
+    with results.open("w") as res, log.open("w") as full:
+        head = _header(cpu)
+        for f in (res, full, sys.stdout):
+            print(head, file=f, flush=True)
+        for name, (_run, on_cpu, timeout, expect) in _cases().items():
+            if only and name not in only:
+                continue
+            if cpu and not on_cpu:
+                line = f"SKIP {name}: needs a GPU"
+            else:
+                t0 = time.perf_counter()
+                cmd = [sys.executable, __file__, "--case", name] + (["--cpu"] if cpu else [])
+                try:
+                    p = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=timeout)
+                    stdout, output, rc, timed_out = p.stdout, p.stdout + p.stderr, p.returncode, False
+                except subprocess.TimeoutExpired as e:
+                    raw = e.stdout or b""
+                    stdout = output = raw.decode(errors="replace") if isinstance(raw, bytes) else raw
+                    rc, timed_out = None, True
+                verdict, why = _verdict(expect, rc, timed_out, stdout)
+                failed += verdict == "FAIL"
+                line = f"{verdict} {name} ({time.perf_counter() - t0:.0f} s): {why}"
+                print(f"== {name} ==\n{output}", file=full, flush=True)
+            for f in (res, sys.stdout):
+                print(line, file=f, flush=True)
+    return 1 if failed else 0
+
+
+def _header(cpu: bool) -> str:
+    import platform
+
+    import torch
+
+    if cpu:
+        return f"gpu_check dry run on a CPU: torch {torch.__version__}, Python {platform.python_version()}"
+    name = torch.cuda.get_device_name() if torch.cuda.is_available() else "no CUDA device"
+    nccl = torch.cuda.nccl.version() if torch.cuda.is_available() else "-"
+    return f"gpu_check on {name}: torch {torch.__version__}, NCCL {nccl}, Python {platform.python_version()}"
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description="One-GPU check of the transport (see the module docstring).")
+    ap.add_argument("--out", default="gpu-check", help="folder for gpu_check.txt (PASS/FAIL lines) and the log")
+    ap.add_argument("--dry-run", action="store_true", help="run the cases a CPU allows (checks this script)")
+    ap.add_argument("--only", nargs="*", default=[], help="run only these cases")
+    ap.add_argument("--case", help=argparse.SUPPRESS)
+    ap.add_argument("--cpu", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument(
-        "--cpu-colocated",
-        action="store_true",
-        help="run only the colocated case, over shared memory on CPU (checks this script where no GPU is)",
+        "--cpu-colocated", action="store_true", help="run only the colocated case over shared memory on a CPU"
     )
-    ap.add_argument("--layers", type=int, default=None, help="the colocated case's model layers (default 12)")
     args = ap.parse_args()
     try:
         import torch
     except ImportError:
         print("gpu_check: torch is not installed")
         return 2
+    if args.case:
+        return _run_case(args.case, args.cpu)
     if args.cpu_colocated:
-        report, ok = colocated(torch, device="cpu", layers=args.layers)
-        print(report)
-        return 0 if ok else 1
-    if not torch.cuda.is_available():
-        print("gpu_check: no CUDA device")
+        return run_all(args.out, True, ["colocated"])
+    if not args.dry_run and not torch.cuda.is_available():
+        print("gpu_check: no CUDA device (--dry-run runs what a CPU allows)")
         return 2
-    print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}  nccl {torch.cuda.nccl.version()}")
-    print(f"{'side':<26}{'transfers':>10}{'GB':>8}{'pack/unpack ms':>16}{'d2d copy ms':>13}{'ratio':>8}")
-    for side, n, total, tp, tc, _contiguous in pack_unpack(torch):
-        print(f"{side:<26}{n:>10}{total / 1e9:>8.2f}{tp * 1e3:>16.2f}{tc * 1e3:>13.2f}{tp / tc:>8.2f}")
-    failed = False
-    try:
-        print(f"NCCL (1 rank: store, eager connect, coalesced send/recv to self, abort): {nccl_path(torch)}")
-    except Exception as e:  # reported, not hidden
-        print(f"NCCL path FAILED: {type(e).__name__}: {e}")
-        failed = True
-    report, ok = colocated(torch, layers=args.layers)
-    print(report)
-    return 1 if failed or not ok else 0
+    return run_all(args.out, args.dry_run, args.only)
 
 
 if __name__ == "__main__":
