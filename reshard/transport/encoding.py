@@ -158,6 +158,7 @@ def _encode_np(
         o[sec.counts : sec.counts + 4 * nb] = counts.view(np.uint8)
         o[sec.positions : sec.positions + 2 * k] = idx.astype(np.uint16).view(np.uint8)
     else:
+        _expect(enc, BITMASK)
         m = np.zeros(n, dtype=bool)
         m[idx] = True
         bits = np.packbits(m, bitorder="little")
@@ -287,9 +288,19 @@ def _encode_torch(
         low = (((idx & (BLOCK - 1)) ^ half) - half).to(torch.int16)
         out[sec.positions : sec.positions + 2 * k].copy_(low.view(torch.uint8))
     else:
+        _expect(enc, BITMASK)
         bits = _packbits(m)
         out[sec.positions : sec.positions + bits.numel()].copy_(bits)
     return enc, k, sec.size
+
+
+def _expect(enc: int, code: int) -> None:
+    """The last branch of a dispatch on encodings handles ``code``: a code
+    it does not know (one added to the format without its encoder) is
+    refused, never written as ``code``."""
+    if enc != code:
+        name = NAMES[enc] if 0 <= enc < len(NAMES) else "unknown"
+        raise ValueError(f"no encoder for delta encoding {enc} ({name})")
 
 
 def _packbits(m: torch.Tensor) -> torch.Tensor:
@@ -377,6 +388,7 @@ def _positions_np(enc: int, n: int, k: int, part: torch.Tensor, sec: Sections) -
         if k and int(idx.max()) >= n:
             raise ValueError(f"a sparse part of {n} elements names position {int(idx.max())}")
         return idx
+    _expect(enc, BITMASK)
     m = np.unpackbits(raw[sec.positions : sec.positions + mask_bytes(n)], count=n, bitorder="little").view(bool)
     idx = np.flatnonzero(m)
     if idx.size != k:
@@ -399,6 +411,7 @@ def _positions_torch(enc: int, n: int, k: int, part: torch.Tensor, sec: Sections
         if k and int(idx.max()) >= n:
             raise ValueError(f"a sparse part of {n} elements names position {int(idx.max())}")
         return idx
+    _expect(enc, BITMASK)
     m = _unpackbits(part[sec.positions : sec.positions + mask_bytes(n)], n)
     idx = m.nonzero().flatten()
     if idx.numel() != k:

@@ -407,6 +407,8 @@ def encode(
             o[sec.positions : sec.positions + 2 * k] = low[:k].view(np.uint8)
         elif enc == BITMASK:
             o[sec.positions : sec.positions + mask_bytes(n)] = bits[: mask_bytes(n)]
+        else:
+            raise ValueError(f"no compiled encoder for delta encoding {enc}")
         return enc, k, sec.size
 
 
@@ -434,7 +436,7 @@ def apply(enc: int, k: int, part: Any, dst: Any, n: int, e: int) -> bool:
             raise ValueError(f"a sparse part of {n} elements has block counts that do not add up to {k}")
         if r < -1:
             raise ValueError(f"a sparse part of {n} elements names position {-2 - r}")
-    else:
+    elif enc == BITMASK:
         r = apply_bitmask(dst, vals, part[sec.positions : sec.positions + mask_bytes(n)], n, _S.popcount)
         if r < 0:
             raise ValueError(f"a bitmask part of {n} elements has {-1 - r} bits set, its header says {k}")
