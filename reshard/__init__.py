@@ -20,7 +20,7 @@ from reshard.plan import (
     Transfer,
 )
 from reshard.plan.specs import GridSpec, PieceSpec
-from reshard.receiver import Receiver
+from reshard.receiver import LocalTensors, Receiver, Tensors
 from reshard.sender import Sender
 from reshard.sender.engines import EngineStats
 from reshard.transport.group import GroupConfig
@@ -37,6 +37,7 @@ __all__ = [
     "Layout",
     "LayoutSet",
     "LocalTensor",
+    "LocalTensors",
     "Mesh",
     "Piece",
     "PieceSpec",
@@ -50,6 +51,7 @@ __all__ = [
     "ReshardError",
     "Sender",
     "TensorMeta",
+    "Tensors",
     "Transfer",
     "__version__",
 ]

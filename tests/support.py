@@ -25,7 +25,7 @@ import torch
 from reshard import GroupConfig
 from reshard.plan.index import LayoutSet
 from reshard.plan.layout import Layout, Slot, TensorMeta
-from reshard.receiver import Receiver
+from reshard.receiver import Receiver, Tensors
 from reshard.sender import Sender
 
 from .procs import GROUP_TIMEOUT_S
@@ -62,6 +62,35 @@ def group_config(address: str, num_sources: int, num_destinations: int, **overri
     is :data:`tests.procs.GROUP_TIMEOUT_S`, a hang guard. Tests of failures
     pass the timeout they exercise."""
     return GroupConfig(**group_kwargs(address, num_sources, num_destinations, **overrides))
+
+
+# -- local tensors with a test's hooks ---------------------------------------------
+
+
+class Watched(Tensors):
+    """A rank's tensors (:class:`reshard.receiver.Tensors`) whose lifecycle
+    steps also run a test's callables: ``begin(plan)`` once every rank
+    agreed, ``landed(i)`` after each round (a test fails or kills a rank
+    there)."""
+
+    def __init__(
+        self,
+        tensors,
+        *,
+        begin: Callable[[Any], None] | None = None,
+        landed: Callable[[int], None] | None = None,
+        private: bool = False,
+    ) -> None:
+        super().__init__(tensors, private=private)
+        self._begin, self._landed = begin, landed
+
+    def begin(self, plan) -> None:
+        if self._begin is not None:
+            self._begin(plan)
+
+    def landed(self, index: int, changed) -> None:
+        if self._landed is not None:
+            self._landed(index)
 
 
 # -- waiting for a state -----------------------------------------------------------

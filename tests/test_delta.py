@@ -32,12 +32,21 @@ from reshard.plan import delta_format as F
 from reshard.plan.box import Box
 from reshard.plan.layout import Layout, TensorMeta, dtype_size
 from reshard.plan.specs import PieceSpec, build_layout
-from reshard.receiver import Receiver
+from reshard.receiver import Receiver, Tensors
 from reshard.sender import Sender
 from reshard.transport import encoding as E
 
 from . import procs
-from .support import collect_problems, encode_problem, expand, global_tensor, group_config, local_view, make_locals
+from .support import (
+    Watched,
+    collect_problems,
+    encode_problem,
+    expand,
+    global_tensor,
+    group_config,
+    local_view,
+    make_locals,
+)
 
 # -- encodings -------------------------------------------------------------------------
 
@@ -239,6 +248,32 @@ def test_a_malformed_part_is_refused_before_anything_is_written(case, why, compi
     with pytest.raises(ValueError, match=why):
         E.apply_part(enc, k, part, dst)
     assert torch.equal(dst, base)
+
+
+@pytest.mark.parametrize("path", ["numpy", "compiled", "torch"])
+def test_an_encoding_no_encoder_knows_is_refused_not_written_as_another(path, monkeypatch):
+    """A code added to the format's choice without its encoder raises where
+    the encoder would have written it as a bitmask (the dispatch's last
+    branch)."""
+    from reshard.transport import encoding_jit
+
+    monkeypatch.setenv("RESHARD_NUMBA", "1" if path == "compiled" else "0")
+    if path == "compiled" and not encoding_jit.available():
+        pytest.skip("numba is not installed")
+    # A new code (7) the choice picks, sized like a bitmask.
+    for module in (E, encoding_jit):
+        monkeypatch.setattr(module, "choose", lambda *a, **k: 7)
+        monkeypatch.setattr(module, "sections", lambda enc, n, k, e: F.sections(F.BITMASK, n, k, e))
+    snap = torch.arange(4096, dtype=torch.float32)
+    new = snap.clone()
+    new[::97] += 1
+    out = torch.empty(F.part_size(F.DENSE, 4096, 0, 4) + 64, dtype=torch.uint8)
+    if path == "torch":
+        with pytest.raises(ValueError, match="no encoder for delta encoding 7"):
+            E._encode_torch(new, snap.clone(), out, 4096, 4, None)
+        return
+    with pytest.raises(ValueError, match="encoder for delta encoding 7"):
+        E.encode_part(new, snap.clone(), out)
 
 
 def test_a_dense_part_sent_before_its_changes_were_counted_applies():
@@ -457,7 +492,8 @@ def _fencing(rank: int, address: str, scenario: str) -> list[dict]:
     j = rank - 2
     pieces, tensors = _receiver_pieces(j)
     transposed = False
-    r = Receiver(tensors, pieces, config=cfg, rank=rank, private_base=scenario == "private")
+    private = scenario == "private"
+    r = Receiver(Tensors(tensors, private=private), pieces, config=cfg, rank=rank)
     for step in range(1, 7):
         if step == 3:
             if scenario == "restart" and rank == 3:
@@ -469,7 +505,7 @@ def _fencing(rank: int, address: str, scenario: str) -> list[dict]:
                 new["w"].copy_(tensors["w"].t())
                 new["b"].copy_(tensors["b"])
                 tensors = new
-                r.set_layout(build_layout(rank, pieces), tensors)
+                r.set_layout(build_layout(rank, pieces), Tensors(tensors, private=private))
             if scenario == "corrupt" and rank == 2:
                 tensors["w"][5, 3] += 1  # row 5: from trainer rank 0
         fail = None
@@ -479,7 +515,7 @@ def _fencing(rank: int, address: str, scenario: str) -> list[dict]:
                 raise RuntimeError(f"the engine failed after round {i}")
 
         try:
-            st = r.pull(step, after_round=fail).exec
+            st = r.pull(step, into=Watched(tensors, landed=fail, private=private) if fail else None).exec
         except Exception as e:
             out.append({"error": str(e)})
             continue

@@ -102,3 +102,47 @@ def test_a_refit_error_stays_a_refit_error_and_plain_text_is_left_alone():
     raise_from_text("reshard-replies: [not json", "update_weights")
     with pytest.raises(ReshardError, match="failed on 1 worker"):
         raise_from_text(with_replies("x", [failure(OSError("disk"), rank=0)]), "init")
+
+
+# -- the worker side, typed ----------------------------------------------------------
+
+
+def _refit_stats():
+    from reshard.transport.stats import ExecStats, RefitStats
+
+    ex = ExecStats(rank=5, bytes_received=64, dense_peers={0: "no base yet"})
+    return RefitStats(refit=3, rank=5, exec=ex, plan_seconds=0.1, agree_seconds=0.0, total_seconds=1.0, round_bytes=8)
+
+
+def test_a_workers_account_is_built_in_one_place_and_decoded_strictly():
+    """The worker builds its account from its refit session and what its
+    engine did; the trainer decodes it strictly: nothing a worker reports
+    is dropped on the way (as seven keys were), and a key the type does not
+    know is refused by name."""
+    import msgspec
+
+    from reshard.sender.engines import EngineStats
+
+    sent = EngineStats.of_refit(_refit_stats(), kept_bytes=64, layers_direct=2, lifecycle_seconds={"begin": 0.5})
+    # Through JSON, as vLLM's HTTP server carries it (integer keys become strings).
+    reply = WorkerReply.parse(
+        json.loads(json.dumps(WorkerReply(ok=True, rank=5, stats=sent.to_builtins()).to_builtins()))
+    )
+    got = EngineStats.of(reply)
+    assert got == sent
+    assert (got.rank, got.refit, got.bytes_received, got.dense_peers) == (5, 3, 64, {0: "no base yet"})
+    assert got.layers_direct == 2 and got.lifecycle_seconds == {"begin": 0.5}
+    with pytest.raises(msgspec.ValidationError, match="unknown field `layers_zapped`"):
+        EngineStats.of(WorkerReply(ok=True, rank=5, stats={**sent.to_builtins(), "layers_zapped": 1}))
+    with pytest.raises(TypeError, match="layers_zapped"):
+        EngineStats.of_refit(_refit_stats(), layers_zapped=1)
+
+
+def test_the_engine_receivers_declare_one_protocol():
+    from reshard.adapters.sglang.receiver import SglangReceiver
+    from reshard.adapters.vllm.receiver import VllmReceiver
+    from reshard.receiver import EngineReceiver
+
+    for cls in (VllmReceiver, SglangReceiver):
+        assert EngineReceiver in cls.__mro__
+        assert {"pull", "kept_bytes", "close"} <= set(dir(cls))

@@ -29,6 +29,7 @@ from reshard.plan.layout import Slot, TensorMeta
 from reshard.plan.specs import PieceSpec
 from reshard.transport import joining
 from reshard.transport.config import GroupConfig
+from reshard.transport.locals import Tensors
 from reshard.transport.messages import round_staging, staging_need
 from reshard.transport.posting import Op, off_device_locals, post_ops
 
@@ -135,10 +136,10 @@ def test_a_buffer_off_the_groups_device_is_refused_before_the_group_opens():
     assert pg.started == 0 and pg.posted == []
 
 
-class _LazyOne(dict):
-    """A source mapping checked tensor by tensor as a refit touches it."""
+class _LazyOne(Tensors):
+    """A source's tensors, checked one by one as a refit touches them."""
 
-    reshard_lazy = True
+    lazy = True
 
 
 def _packing_fails(rank: int, address: str) -> dict:
@@ -153,7 +154,7 @@ def _packing_fails(rank: int, address: str) -> dict:
     metas = [TensorMeta(n, (4, 4), "float32") for n in ("a", "b")]
     pieces = [PieceSpec(m, Box((0, 0), (4, 4)), m.name, (4, 4)) for m in metas]
     if rank == 0:
-        end = Sender.from_pieces(pieces, _LazyOne(a=torch.ones(4, 4), b=torch.ones(3, 4)), config=cfg, rank=0)
+        end = Sender.from_pieces(pieces, _LazyOne({"a": torch.ones(4, 4), "b": torch.ones(3, 4)}), config=cfg, rank=0)
     else:
         end = Receiver({"a": torch.zeros(4, 4), "b": torch.zeros(4, 4)}, pieces, config=cfg, rank=1)
     end.connect() if rank == 0 else end.session.connect()
@@ -314,7 +315,7 @@ def test_messages_of_tensors_off_the_groups_device_are_staged_never_posted_in_pl
 
 def test_which_local_tensors_are_off_the_device_is_read_from_them_unless_materialized_on_demand():
     tensors = {"a": torch.zeros(2), "b": torch.zeros(2, device="meta")}
-    assert off_device_locals(tensors, torch.device("cpu")) == {"b"}
+    assert off_device_locals(Tensors(tensors), torch.device("cpu")) == {"b"}
     assert off_device_locals(_LazyOne(tensors), torch.device("cpu")) == frozenset()
 
 

@@ -24,7 +24,16 @@ from reshard.sender import Sender
 from reshard.transport.shm import SHM_DIR
 
 from . import procs
-from .support import HANG_S, collect_problems, encode_problem, group_config, noticed, relayouts, run_problems
+from .support import (
+    HANG_S,
+    Watched,
+    collect_problems,
+    encode_problem,
+    group_config,
+    noticed,
+    relayouts,
+    run_problems,
+)
 
 _CREATOR = re.compile(r"reshard-[0-9a-f]+-e\d+-\d+\.(\d+)-|torch_(\d+)_")
 """The creator's pid in a channel's name (``channel_name``) or in a file
@@ -119,7 +128,7 @@ def _mixed(
     )
     for n in refits:
         try:
-            st = r.pull(n, after_round=(lambda i: os._exit(9)) if kill else None)
+            st = r.pull(n, into=Watched({"w": dst}, landed=lambda i: os._exit(9)) if kill else None)
         except RefitError as e:
             out["refits"].append({"ok": False, "error": str(e)})
             continue

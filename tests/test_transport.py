@@ -96,7 +96,7 @@ def _both_methods(rank: int, address: str) -> list[bool]:
     r = Receiver(zeros(), pieces, config=cfg, rank=rank, budget_bytes=8 << 10)
     for i, method in enumerate(["reshard", "gather_broadcast", "reshard", "gather_broadcast"]):
         tensors = zeros()
-        stats = r.pull(i + 1, method=method, destinations=tensors)
+        stats = r.pull(i + 1, method=method, into=tensors)
         ok = all(
             _same_bits(
                 tensors[p.local],

@@ -78,7 +78,7 @@ def _fault_scenario(rank: int, address: str, case: str, side: str, size: str) ->
     if rank == bad_rank and case == "shape":
         override = {"w": torch.zeros(half + 1, shape[1])}
     try:
-        recv.pull(1, destinations=override)
+        recv.pull(1, into=override)
         out["first"] = "ok"
     except RefitError as e:
         out.update(first=str(e), step=e.step, agreed=e.agreed)

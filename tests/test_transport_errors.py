@@ -20,7 +20,7 @@ from reshard.sender import Sender
 from reshard.transport.group import GroupConfig
 
 from . import procs
-from .support import HANG_S, group_config, noticed, read_when_written, wait_for, write_atomically
+from .support import HANG_S, Watched, group_config, noticed, read_when_written, wait_for, write_atomically
 
 W = TensorMeta("model.w", (8, 6), "float32")
 
@@ -248,7 +248,7 @@ def _store_dies(rank: int, address: str, tmp: str) -> dict:
             os.kill(pid, 9)
 
     try:
-        go(1, after_round=kill)
+        ep.push(1, after_round=kill) if rank == 0 else ep.pull(1)
     except RefitError as e:
         out["mid"] = (e.step, str(e))
     (d / f"p2.{rank}").touch()
@@ -347,7 +347,7 @@ def _replica(rank: int, address: str, value: float, die_after: int | None) -> di
         if rank == 0:
             ep.push(1)
         else:
-            ep.pull(1, before_transfer=watch, after_round=die)
+            ep.pull(1, into=Watched({"b": local}, begin=watch, landed=die))
         out["first"] = None
     except RefitError as e:
         out["first"] = (e.step, str(e))

@@ -16,19 +16,20 @@ Call order (every engine worker, collectively with every trainer rank):
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
-from reshard.plan.items import RankPlan
 from reshard.plan.layout import Layout
 from reshard.plan.specs import GridSpec, PieceSpec, build_layout
 from reshard.transport.group import GroupConfig
+from reshard.transport.locals import LocalTensors, Tensors, local_tensors
 from reshard.transport.session import DEFAULT_BUDGET_BYTES, RefitSession, RefitStats
+from reshard.transport.stats import EngineStats
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["Receiver"]
+__all__ = ["EngineReceiver", "LocalTensors", "Receiver", "Tensors"]
 
 
 class Receiver:
@@ -36,7 +37,7 @@ class Receiver:
 
     def __init__(
         self,
-        tensors: Mapping[str, torch.Tensor],
+        tensors: Mapping[str, torch.Tensor] | LocalTensors,
         pieces: Sequence[PieceSpec] = (),
         *,
         config: GroupConfig,
@@ -46,27 +47,23 @@ class Receiver:
         device: torch.device | str | None = None,
         budget_bytes: int = DEFAULT_BUDGET_BYTES,
         round_bytes: int | None = None,
-        check_tensors: bool = True,
         progress: bool | None = None,
-        private_base: bool = False,
     ) -> None:
-        """``tensors``: local name -> tensor (a mapping may materialize
-        tensors lazily; then pass ``check_tensors=False``, and each tensor is
-        checked when a refit first touches it). ``rank``: this worker's refit
-        rank (``config.num_sources + engine worker index``). Local tensors
-        are checked against the layout at every pull (shape, dtype,
-        contiguity), where a problem reaches every rank before any byte moves.
-        ``private_base`` (``GroupConfig.delta``): only reshard writes the
-        tensors refits land in (an engine's staging buffers, not its live
-        weights), so their checksums are taken once a refit succeeded, in a
-        thread, instead of at the next plan step."""
+        """``tensors``: local name -> tensor, as a mapping or as
+        :class:`LocalTensors` (tensors with a lifecycle of their own: ones
+        that materialize on demand are checked when a refit first touches
+        them; ones only reshard writes are a delta's base, digested after a
+        refit). ``rank``: this worker's refit rank (``config.num_sources +
+        engine worker index``). Local tensors are checked against the layout
+        at every pull (shape, dtype, contiguity), where a problem reaches
+        every rank before any byte moves."""
         if rank < config.num_sources:
             raise ValueError(f"refit rank {rank} is a source rank; engine workers start at {config.num_sources}")
         if layout is None:
             layout = build_layout(rank, pieces, grids)
+        tensors = local_tensors(tensors)
         if device is None:
-            first = next(iter(tensors.values()), None) if check_tensors else None
-            device = first.device if first is not None else "cpu"
+            device = tensors.device or "cpu"
         self.rank = rank
         self.layout = layout
         self.session = RefitSession(
@@ -77,16 +74,24 @@ class Receiver:
             device=device,
             budget_bytes=budget_bytes,
             round_bytes=round_bytes,
-            lazy=not check_tensors,
             progress=progress,
         )
-        self.session.delta.private = private_base
+
+    @property
+    def config(self) -> GroupConfig:
+        """The refit group's configuration, as this worker joins it."""
+        return self.session.config
+
+    @property
+    def last_refit(self) -> int:
+        """The last refit that succeeded on this worker (0: none yet)."""
+        return self.session.last_refit
 
     def connect(self) -> None:
         """Join the refit group now (``pull`` does it on first use)."""
         self.session.connect()
 
-    def set_layout(self, layout: Layout, tensors: Mapping[str, torch.Tensor] | None = None) -> bool:
+    def set_layout(self, layout: Layout, tensors: Mapping[str, torch.Tensor] | LocalTensors | None = None) -> bool:
         """Keep ``layout`` (into ``tensors``, when given) from the next pull
         on; returns whether it changed (then every rank replans)."""
         changed = self.session.set_layout(layout, tensors)
@@ -95,40 +100,19 @@ class Receiver:
         return changed
 
     def pull(
-        self,
-        refit: int,
-        *,
-        method: str = "reshard",
-        destinations: Mapping[str, torch.Tensor] | None = None,
-        after_round: Callable[[int], None] | None = None,
-        before_transfer: Callable[[RankPlan], None] | None = None,
-        touched: set[str] | None = None,
-        after_transfer: Callable[[], None] | None = None,
+        self, refit: int, *, method: str = "reshard", into: Mapping[str, torch.Tensor] | LocalTensors | None = None
     ) -> RefitStats:
-        """Receive refit number ``refit``. ``destinations`` overrides the
-        tensors to write into for this refit (checked like the tensors given
-        at construction, unless it says ``reshard_lazy = True``: then each is
-        checked when first touched); ``before_transfer(plan)`` runs
-        once every rank agreed to go ahead, before the first byte moves;
-        ``after_round(i)`` after each round of this rank. ``method``:
-        ``reshard``, or ``gather_broadcast`` (the baseline). ``touched``
-        (``GroupConfig.delta``): a set the local tensors whose values changed
-        join as rounds complete, so ``after_round`` can act on them.
-        ``after_transfer()`` runs once this worker's last round completed,
-        before every rank agrees on the outcome (its failure fails the refit
-        on every rank)."""
+        """Receive refit number ``refit``. ``into``: the tensors to write
+        into for this refit, with their lifecycle (:class:`LocalTensors`:
+        begun once every rank agreed on the plan, told of every round that
+        landed, finished before every rank agrees on the outcome; a mapping
+        has none); default: the tensors given at construction. ``method``:
+        ``reshard``, or ``gather_broadcast`` (the baseline)."""
         if method == "gather_broadcast":
-            return self.session.refit_baseline(refit, destinations=destinations)
+            return self.session.refit_baseline(refit, into=into)
         if method != "reshard":
             raise ValueError(f"unknown refit method {method!r}; use 'reshard' or 'gather_broadcast'")
-        return self.session.refit(
-            refit,
-            destinations=destinations,
-            after_round=after_round,
-            before_transfer=before_transfer,
-            touched=touched,
-            after_transfer=after_transfer,
-        )
+        return self.session.refit(refit, into=into)
 
     def forget_base(self, why: str) -> None:
         """With ``GroupConfig.delta``: this worker's tensors no longer hold
@@ -139,3 +123,24 @@ class Receiver:
 
     def close(self) -> None:
         self.session.close()
+
+
+@runtime_checkable
+class EngineReceiver(Protocol):
+    """What an engine's receiver (one per worker: vLLM's, SGLang's) offers
+    the worker that drives it; adapter slots (LoRA) have their own."""
+
+    mixed: bool
+    """The last refit failed after some weights took their new values."""
+
+    @property
+    def kept_bytes(self) -> int:
+        """Bytes of checkpoint tensors this worker keeps, in its own dtypes."""
+        ...
+
+    def pull(self, refit: int, *, method: str = "reshard") -> EngineStats:
+        """Receive refit ``refit`` into the live engine (collective with every
+        refit rank); this worker's account of it."""
+        ...
+
+    def close(self) -> None: ...

@@ -19,7 +19,7 @@ Call order (every trainer rank, collectively with every engine worker):
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from reshard.plan.layout import Layout
@@ -28,6 +28,7 @@ from reshard.sender.engines import Engines, EngineStats, push_beside
 from reshard.sender.pieces import default_rename
 from reshard.sender.trainers import describe_trainer
 from reshard.transport.group import GroupConfig
+from reshard.transport.locals import LocalTensors, local_tensors
 from reshard.transport.session import DEFAULT_BUDGET_BYTES, RefitSession, RefitStats
 
 if TYPE_CHECKING:
@@ -227,13 +228,21 @@ class Sender:
     def _push(self, refit: int, method: str, after_round: Callable[[int], None] | None) -> RefitStats:
         if method == "gather_broadcast":
             return self.session.refit_baseline(refit)
-        return self.session.refit(refit, after_round=after_round)
+        tensors = self.session.tensors
+        return self.session.refit(refit, into=_AfterRound(tensors, after_round) if after_round else None)
+
+    @property
+    def delta_snapshot_bytes(self) -> int:
+        """With ``GroupConfig.delta``: the bytes of this rank's snapshot (what
+        it sent last, kept to encode the next refit's changes)."""
+        snaps = self.session.delta.snapshots
+        return snaps.nbytes if snaps is not None else 0
 
     def close(self) -> None:
         self.session.close()
 
 
-def default_device(tensors: Mapping[str, torch.Tensor]) -> torch.device | str:
+def default_device(tensors: Mapping[str, torch.Tensor] | LocalTensors) -> torch.device | str:
     """The device a trainer rank refits from: its tensors' (a mapping that
     computes its tensors says where they live); for tensors in host memory
     on a rank whose default process group is NCCL (parameters offloaded by
@@ -241,7 +250,7 @@ def default_device(tensors: Mapping[str, torch.Tensor]) -> torch.device | str:
     offload), its current CUDA device: the engines it feeds are on GPUs, and
     a gloo rank in an NCCL group is refused at join. Its host tensors are
     staged through the device (:func:`reshard.transport.posting.off_device_locals`)."""
-    device = getattr(tensors, "device", None) or (next(iter(tensors.values())).device if tensors else "cpu")
+    device = local_tensors(tensors).device or "cpu"
     if str(device).split(":")[0] != "cpu":
         return device
     try:
@@ -265,3 +274,35 @@ def default_rank() -> int:
     except ImportError:  # pragma: no cover
         pass
     return 0
+
+
+class _AfterRound(LocalTensors):
+    """A sender's tensors, and ``after_round(i)`` once each of its rounds completed."""
+
+    def __init__(self, tensors: LocalTensors, after_round: Callable[[int], None]) -> None:
+        self.tensors = tensors
+        self.after_round = after_round
+        self.lazy, self.private = tensors.lazy, tensors.private
+
+    @property
+    def device(self) -> torch.device | None:
+        return self.tensors.device
+
+    def begin(self, plan) -> None:
+        self.tensors.begin(plan)
+
+    def resolve(self, name: str) -> torch.Tensor:
+        return self.tensors.resolve(name)
+
+    def landed(self, index: int, changed: frozenset[str] | None) -> None:
+        self.tensors.landed(index, changed)
+        self.after_round(index)
+
+    def finish(self) -> None:
+        self.tensors.finish()
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.tensors)
+
+    def __len__(self) -> int:
+        return len(self.tensors)

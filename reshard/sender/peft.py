@@ -42,6 +42,7 @@ from reshard.plan.layout import Grid, Slot, grid_box
 from reshard.plan.specs import GridSpec, PieceSpec
 from reshard.sender.gather import gather_whole
 from reshard.sender.readers import Description, ReadContext, TrainerReader, register_reader
+from reshard.transport.locals import LocalTensors
 from reshard.transport.messages import local_view
 
 if TYPE_CHECKING:
@@ -126,12 +127,12 @@ class _Merge:
     bias: bool
 
 
-class PeftPolicy(Mapping):
+class PeftPolicy(LocalTensors):
     """The local tensors of a PEFT policy's rank: the trainer's own, and, for
     local tensors holding LoRA-targeted weights, merged copies computed on
     first read and kept while a small budget lasts (see the module docstring)."""
 
-    reshard_lazy = True
+    lazy = True
     """Checked tensor by tensor as a refit reads them (merging them all up
     front would hold a merged copy of every targeted weight at once)."""
 
@@ -152,7 +153,7 @@ class PeftPolicy(Mapping):
         self.merged = 0
         """Local tensors merged so far (a refit reads each once per round it is in)."""
 
-    def __getitem__(self, key: str) -> torch.Tensor:
+    def resolve(self, key: str) -> torch.Tensor:
         merges = self.merges.get(key)
         if merges is None:
             return self.plain[key]
@@ -181,8 +182,8 @@ class PeftPolicy(Mapping):
         return len(self.plain)
 
     @property
-    def device(self) -> torch.device:
-        return next(iter(self.plain.values())).device
+    def device(self) -> torch.device | None:
+        return next(iter(self.plain.values())).device if self.plain else None
 
 
 # -- reading a PEFT model ----------------------------------------------------------------

@@ -61,7 +61,7 @@ def _rank(rank: int, address: str, bench: Any, case: DeltaCase) -> dict[str, Any
     from reshard.plan.box import chunk_range
     from reshard.plan.layout import Mesh, TensorMeta
     from reshard.plan.specs import GridSpec
-    from reshard.receiver import Receiver
+    from reshard.receiver import Receiver, Tensors
     from reshard.sender import Sender
     from reshard.tools.bench import bench_tensors, destination_slots
     from reshard.transport.group import GroupConfig
@@ -115,8 +115,7 @@ def _rank(rank: int, address: str, bench: Any, case: DeltaCase) -> dict[str, Any
                 ep = senders["delta" if method == "delta" else "dense"]
                 st = ep.push(step * len(METHODS) + i + 1, method=_METHOD[method])
                 out["runs"].append({"method": method, "step": step, **st.as_dict()})
-        snaps = senders["delta"].session.delta.snapshots
-        out["snapshot_bytes"] = snaps.nbytes if snaps is not None else 0
+        out["snapshot_bytes"] = senders["delta"].delta_snapshot_bytes
         for s in senders.values():
             s.close()
         return out
@@ -129,7 +128,10 @@ def _rank(rank: int, address: str, bench: Any, case: DeltaCase) -> dict[str, Any
             d.setdefault(s.local, torch.zeros(s.local_shape, dtype=torch.bfloat16))
     cfgs = {"delta": delta_cfg, "dense": dense_cfg}
     # Only reshard writes these tensors: checksums are taken after each refit, off the plan step.
-    receivers = {k: Receiver(dests[k], config=c, rank=rank, layout=layout, private_base=True) for k, c in cfgs.items()}
+    # Only reshard writes them: a delta's base, digested after each refit.
+    receivers = {
+        k: Receiver(Tensors(dests[k], private=True), config=c, rank=rank, layout=layout) for k, c in cfgs.items()
+    }
     same = []
     for step in range(total + 1):
         for i, method in enumerate(METHODS):

@@ -381,15 +381,17 @@ class DeltaState:
         pairs = capable_pairs(group, plan)
         result: dict = {}
         backend = group.backend
+        # The tensors themselves (not their ids, which a later object may
+        # reuse; nor the mapping, which an engine may build anew per refit
+        # around the same buffers): the digests vouch for exactly these.
+        tensors = dict(destinations.items())
 
         def run() -> None:
-            result["digests"] = base_digests(pairs, destinations, backend)
+            result["digests"] = base_digests(pairs, tensors, backend)
 
         thread = threading.Thread(target=run, name="reshard-base-digests", daemon=True)
         thread.start()
-        # The plan and tensors themselves (not their ids, which a later
-        # object may reuse): the digests vouch for exactly these.
-        self._later = ((plan, destinations, backend), result, thread)
+        self._later = ((plan, tensors, backend), result, thread)
 
     def status(
         self, group: RefitGroup, plan: RankPlan, destinations: Mapping[str, torch.Tensor] | None
@@ -409,14 +411,19 @@ class DeltaState:
             digests, more = self.snapshots.digests(pairs)
             notes.update(more)
             return self.base, self.note, digests, notes
-        if destinations is None or getattr(destinations, "reshard_lazy", False):
+        if destinations is None:
             why = "its tensors materialize during the refit (no base to patch)"
             return self.base, self.note, {}, dict.fromkeys(pairs, why)
         later, self._later = self._later, None
         if later is not None:
             (later_plan, later_dests, later_backend), result, thread = later
             thread.join()
-            same = later_plan is plan and later_dests is destinations and later_backend == group.backend
+            same = (
+                later_plan is plan
+                and later_backend == group.backend
+                and later_dests.keys() == destinations.keys()
+                and all(t is destinations[n] for n, t in later_dests.items())
+            )
             if same and "digests" in result:
                 return self.base, self.note, *result["digests"]
         return self.base, self.note, *base_digests(pairs, destinations, group.backend)

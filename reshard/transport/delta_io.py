@@ -35,7 +35,7 @@ from reshard.plan.items import Round, Transfer
 from reshard.plan.layout import dtype_size
 from reshard.transport.delta import Snapshots, snapshot_key
 from reshard.transport.encoding import apply_part, encode_part
-from reshard.transport.messages import local_view
+from reshard.transport.messages import DeltaPayload, StagingKey, local_view
 from reshard.transport.stats import ExecStats
 
 if TYPE_CHECKING:
@@ -64,7 +64,7 @@ def encode_round(
     peers: frozenset[int],
     snaps: Snapshots,
     arena: torch.Tensor,
-    offsets: dict,
+    offsets: dict[StagingKey, int],
     tensor_of: TensorOf,
     device: torch.device,
     stats: ExecStats,
@@ -73,7 +73,7 @@ def encode_round(
     big_bytes: int,
 ) -> tuple[dict[int, Payload], set[tuple], list]:
     """Encode this round's transfers to every delta peer in ``peers`` into its
-    payload (in the arena, at ``offsets[("dsend", peer)]``) and its own
+    payload (in the arena, at ``offsets[DeltaPayload(peer, sending=True)]``) and its own
     messages; a box sent to several peers is compared once. Brings the
     snapshot entries it compared up to date. Returns the payloads by peer,
     the snapshot keys encoded, and the parts whose count and snapshot copy
@@ -87,7 +87,7 @@ def encode_round(
     gather = 0.0
     for peer in sorted(p for p in rnd.sends if p in peers):
         transfers = rnd.sends[peer]
-        buf = arena.narrow(0, offsets[("dsend", peer)], sum(dense_size(t) for t in transfers))
+        buf = arena.narrow(0, offsets[DeltaPayload(peer, sending=True)], sum(dense_size(t) for t in transfers))
         pos = 0
         rows = []
         own: list[torch.Tensor] = []

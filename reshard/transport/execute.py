@@ -51,6 +51,7 @@ fail too.
 from __future__ import annotations
 
 import concurrent.futures as cf
+import enum
 import re
 import threading
 import time
@@ -73,9 +74,14 @@ from reshard.transport.delta_io import (
     snapshot_dense,
 )
 from reshard.transport.links import is_direct, no_wire_text, wire_transfers, without_direct
+from reshard.transport.locals import LocalTensors, local_tensors
 from reshard.transport.messages import (
     BIG_BYTES,
     DEFAULT_BUDGET_BYTES,
+    DeltaPayload,
+    Packed,
+    StagingKey,
+    Unpacked,
     align,
     describe,
     landed,
@@ -84,6 +90,7 @@ from reshard.transport.messages import (
     messages,
     packed_size,
     round_staging,
+    slice_key,
     staging_need,
     torch_dtype,
 )
@@ -126,6 +133,19 @@ place of ``buf``, after their checksum was taken (tests corrupt a message in
 flight with it). ``None`` in normal use."""
 
 
+class _How(enum.Enum):
+    """How a received message lands."""
+
+    INPLACE = "inplace"
+    """Straight into its destination (one contiguous slice on the group's device)."""
+    STAGED = "staged"
+    """Packed in the arena, unpacked once the round completed."""
+    DELTA = "delta"
+    """A delta payload in the arena, applied once the round completed."""
+    PART = "part"
+    """A delta part that is a message of its own, landed with its payload's."""
+
+
 @dataclass(slots=True)
 class _Recv:
     """One message this rank receives in a round."""
@@ -135,9 +155,7 @@ class _Recv:
     peer: int
     tag: int
     msg: list[Transfer]
-    how: str
-    """``inplace`` (straight into the destination), ``staged`` (packed in the
-    arena, unpacked after) or ``delta`` (a payload, applied after)."""
+    how: _How
     parts: list[tuple[int, int, int]] = field(default_factory=list)
     """A delta payload's parts: ``(encoding, changed, bytes)`` per transfer."""
     own: dict[int, torch.Tensor | None] = field(default_factory=dict)
@@ -177,10 +195,12 @@ class _Pending:
 class Executor:
     """Runs a :class:`RankPlan` on a :class:`RefitGroup`.
 
-    ``sources`` maps local names to this rank's source tensors (trainer side),
-    ``destinations`` to its destination tensors (engine side; a mapping may
-    materialize tensors lazily). ``after_round(i)`` runs after round ``i``
-    completed on this rank, when every byte it received so far has landed.
+    ``sources``: this rank's source tensors (trainer side), ``destinations``:
+    its destination tensors (engine side; they may materialize on demand);
+    both :class:`~reshard.transport.locals.LocalTensors` (or mappings), told
+    of every round that completed on this rank (``landed``, when every byte
+    it received so far has landed), after ``after_round(i)`` (a progress
+    line).
     ``exports``: per source rank, the tensors it exported to shared memory
     (every rank passes the same; see the module docstring). ``delta``: the
     peers this refit exchanges deltas with (see the module docstring).
@@ -193,8 +213,8 @@ class Executor:
         group: RefitGroup,
         plan: RankPlan,
         *,
-        sources: Mapping[str, torch.Tensor] | None = None,
-        destinations: Mapping[str, torch.Tensor] | None = None,
+        sources: Mapping[str, torch.Tensor] | LocalTensors | None = None,
+        destinations: Mapping[str, torch.Tensor] | LocalTensors | None = None,
         budget_bytes: int = DEFAULT_BUDGET_BYTES,
         big_bytes: int = BIG_BYTES,
         device: torch.device | str = "cpu",
@@ -222,8 +242,8 @@ class Executor:
             wired = wire_transfers(plan)
             if wired:
                 raise RefitError("transfer", {plan.rank: no_wire_text(group, wired)}, version=refit)
-        self.sources = sources if sources is not None else {}
-        self.destinations = destinations if destinations is not None else {}
+        self.sources = local_tensors(sources if sources is not None else {})
+        self.destinations = local_tensors(destinations if destinations is not None else {})
         self.big_bytes = big_bytes
         self.device = torch.device(device)
         self.after_round = after_round
@@ -429,9 +449,9 @@ class Executor:
         delta_before = stats.delta_seconds
         t0 = time.perf_counter()
         for r in p.recv_ops:
-            if r.how == "part":
+            if r.how is _How.PART:
                 continue  # landed with its payload's (below)
-            if r.how == "delta":
+            if r.how is _How.DELTA:
                 assert touched is not None
                 try:
                     apply_payload(r.msg, r.parts, r.buf, self._tensor, touched, stats, own=r.own)
@@ -440,7 +460,7 @@ class Executor:
                 continue
             if touched is not None:
                 touched.update(t.dst.local for t in r.msg)
-            if r.how != "staged":
+            if r.how is not _How.STAGED:
                 continue
             assert r.buf is not None
             pos = 0
@@ -470,7 +490,10 @@ class Executor:
         stats.rounds += 1
         if self.after_round is not None:
             self.after_round(p.round.index)
-            stats.timed("after_round", time.perf_counter() - t2)
+        changed = frozenset(touched) if touched is not None else None
+        self.sources.landed(p.round.index, None)
+        self.destinations.landed(p.round.index, changed)
+        stats.timed("after_round", time.perf_counter() - t2)
 
     def _start(self, rnd: Round, stats: ExecStats, base: int) -> _Pending:
         """Post round ``rnd``: delta payloads encoded and headers exchanged,
@@ -499,7 +522,7 @@ class Executor:
         return _Pending(rnd, recv_ops, works, staging_bytes, sums_in, keep)
 
     def _deltas(
-        self, rnd: Round, offsets: dict[tuple, int], stats: ExecStats
+        self, rnd: Round, offsets: dict[StagingKey, int], stats: ExecStats
     ) -> tuple[dict[int, Payload], set[tuple], dict[int, list[tuple[int, int]]], list]:
         """A delta refit's round: this rank's payloads to its delta peers,
         encoded into the arena (a sender), the transfers they cover, and the
@@ -526,7 +549,7 @@ class Executor:
         return payloads, encoded, self._exchange_headers(rnd, payloads), later
 
     def _receives(
-        self, rnd: Round, offsets: dict[tuple, int], headers_in: dict[int, list[tuple[int, int]]], stats: ExecStats
+        self, rnd: Round, offsets: dict[StagingKey, int], headers_in: dict[int, list[tuple[int, int]]], stats: ExecStats
     ) -> list[_Recv]:
         """The round's receives: straight into the destination when it is one
         contiguous slice, else into staging; a delta peer's payload, of the
@@ -551,9 +574,9 @@ class Executor:
                     for t, (enc, _, _) in zip(transfers, parts)
                 ]
                 total = sum(n for (*_, n), o in zip(parts, own) if not o)
-                at = offsets[("drecv", peer)]
+                at = offsets[DeltaPayload(peer, sending=False)]
                 tag = 0
-                delta = _Recv(None, peer, -1, transfers, "delta", parts)
+                delta = _Recv(None, peer, -1, transfers, _How.DELTA, parts)
                 if total:
                     assert arena is not None
                     delta.buf, delta.tag = arena.narrow(0, at, total), 0
@@ -572,7 +595,7 @@ class Executor:
                         assert arena is not None
                         buf = delta.own[i] = arena.narrow(0, stage, size)
                         stage += pad(size)
-                    out.append(_Recv(buf, peer, tag, [t], "part"))
+                    out.append(_Recv(buf, peer, tag, [t], _How.PART))
                     tag += 1
                     wire += size
                 stats.received(
@@ -587,17 +610,17 @@ class Executor:
                 continue
             msgs = messages(transfers, self.big_bytes)
             for i, msg in enumerate(msgs):
-                off = offsets.get(("recv", peer, i))
+                off = offsets.get(Unpacked(peer, i))
                 if off is not None:
                     assert arena is not None
-                    out.append(_Recv(arena.narrow(0, off, packed_size(msg)), peer, i, msg, "staged"))
+                    out.append(_Recv(arena.narrow(0, off, packed_size(msg)), peer, i, msg, _How.STAGED))
                 else:
-                    out.append(_Recv(self._bytes_view(msg[0], "dst"), peer, i, msg, "inplace"))
+                    out.append(_Recv(self._bytes_view(msg[0], "dst"), peer, i, msg, _How.INPLACE))
             stats.received(peer, link, payload=dense, dense=dense, wire=dense, landed=landing, messages=len(msgs))
         return out
 
     def _sends(
-        self, rnd: Round, offsets: dict[tuple, int], payloads: dict[int, Payload], stats: ExecStats
+        self, rnd: Round, offsets: dict[StagingKey, int], payloads: dict[int, Payload], stats: ExecStats
     ) -> list[_Send]:
         """The round's sends: straight from the source when it is one
         contiguous slice, else packed (a slice sent to several peers once); a
@@ -605,7 +628,7 @@ class Executor:
         and on gloo zero-copy sends go first, so packing overlaps bytes
         already on the wire."""
         out: list[_Send] = []
-        packed: set[tuple] = set()
+        packed: set[StagingKey] = set()
         for peer in sorted(rnd.sends):
             transfers = rnd.sends[peer]
             link = self._link(peer)
@@ -621,9 +644,9 @@ class Executor:
                 continue
             msgs = messages(transfers, self.big_bytes)
             for i, msg in enumerate(msgs):
-                off = offsets.get(("send", peer, i))
+                off = offsets.get(Packed(peer, i))
                 t = msg[0]
-                skey = ("slice", t.kind, t.src.local, t.src.offset, t.box)
+                skey = slice_key(t)
                 if off is not None:
                     out.append(_Send(False, peer, i, self._packer(msg, off, packed_size(msg))))
                 elif (soff := offsets.get(skey)) is not None:
@@ -663,7 +686,9 @@ class Executor:
 
         return pack
 
-    def _slice_packer(self, t: Transfer, off: int, key: tuple, packed: set) -> Callable[[], torch.Tensor]:
+    def _slice_packer(
+        self, t: Transfer, off: int, key: StagingKey, packed: set[StagingKey]
+    ) -> Callable[[], torch.Tensor]:
         """A non-contiguous big slice, packed once for every peer that gets it."""
 
         def pack() -> torch.Tensor:
@@ -797,7 +822,7 @@ class Executor:
             diff = (mine != sent).any(dim=1).nonzero().flatten().tolist()
             for i in diff:
                 r = msgs[peer][i]
-                what = "delta of " if r.how == "delta" else ""
+                what = "delta of " if r.how is _How.DELTA else ""
                 bad.append(
                     f"message {i} from rank {peer} to rank {self.plan.rank} ({what}{describe(r.msg)}; "
                     f"{r.buf.numel()} bytes) arrived corrupted (checksum {sent[i].tolist()} sent, "

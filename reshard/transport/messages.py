@@ -15,11 +15,13 @@ for the plan step, where two plans that differ on the wire are refused.
 from __future__ import annotations
 
 import hashlib
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import msgspec
 
 from reshard.errors import RefitError
+from reshard.plan.box import Box
 from reshard.plan.delta_format import dense_size
 from reshard.plan.items import RankPlan, Round, Transfer
 from reshard.plan.layout import Slot, dtype_size
@@ -27,12 +29,16 @@ from reshard.plan.layout import Slot, dtype_size
 if TYPE_CHECKING:
     import torch
 
-    from reshard.plan.box import Box
     from reshard.transport import wire
 
 __all__ = [
     "BIG_BYTES",
     "DEFAULT_BUDGET_BYTES",
+    "DeltaPayload",
+    "Packed",
+    "Slice",
+    "StagingKey",
+    "Unpacked",
     "align",
     "check_links",
     "describe",
@@ -45,6 +51,7 @@ __all__ = [
     "packed_size",
     "receives_in_place",
     "round_staging",
+    "slice_key",
     "staging_bound",
     "staging_need",
     "torch_dtype",
@@ -200,24 +207,64 @@ def link_summary(
     return summary
 
 
+@dataclass(frozen=True, slots=True)
+class Packed:
+    """Staging of message ``index`` to ``peer``, packed before it is sent."""
+
+    peer: int
+    index: int
+
+
+@dataclass(frozen=True, slots=True)
+class Unpacked:
+    """Staging of message ``index`` from ``peer``, unpacked once it arrived."""
+
+    peer: int
+    index: int
+
+
+@dataclass(frozen=True, slots=True)
+class Slice:
+    """Staging of one big non-contiguous (or off-device) source slice, packed
+    once for every peer that gets it."""
+
+    kind: str
+    local: str
+    offset: tuple[int, ...]
+    box: Box
+
+
+@dataclass(frozen=True, slots=True)
+class DeltaPayload:
+    """Staging of a delta peer's payload of a round (``sending``: this
+    rank's to it, else its to this rank)."""
+
+    peer: int
+    sending: bool
+
+
+StagingKey = Packed | Unpacked | Slice | DeltaPayload
+"""Where a round's staging goes (:func:`round_staging`): one key type per
+use, so that two uses never share a key by accident."""
+
+
 def round_staging(
     rnd: Round, big_bytes: int, delta_peers: frozenset[int] = frozenset(), off_device: frozenset[str] = frozenset()
-) -> tuple[int, dict]:
+) -> tuple[int, dict[StagingKey, int]]:
     """(bytes, layout) of the staging a round needs; layout maps keys to offsets.
 
-    A delta peer's messages of the round are one payload (``("dsend",
-    peer)`` / ``("drecv", peer)``) of at most the dense size of its
-    transfers in their destination dtype (see
+    A delta peer's messages of the round are one payload (:class:`DeltaPayload`)
+    of at most the dense size of its transfers in their destination dtype (see
     :func:`reshard.plan.delta_format.dense_size`). A big message from or
     into a local tensor of ``off_device`` (one not on the group's device:
     host memory in an NCCL group, say) is staged like a non-contiguous one:
     the process group only ever sees the arena, which is on its device.
     Which messages are staged is this rank's own business; the messages
     themselves, cut by :func:`messages`, are the same on both sides."""
-    offsets: dict[tuple, int] = {}
+    offsets: dict[StagingKey, int] = {}
     total = 0
 
-    def take(key: tuple, n: int) -> None:
+    def take(key: StagingKey, n: int) -> None:
         nonlocal total
         if key not in offsets:
             offsets[key] = total
@@ -225,18 +272,18 @@ def round_staging(
 
     for peer in sorted(rnd.sends):
         if peer in delta_peers:
-            take(("dsend", peer), sum(dense_size(t) for t in rnd.sends[peer]))
+            take(DeltaPayload(peer, True), sum(dense_size(t) for t in rnd.sends[peer]))
             continue
         for i, msg in enumerate(messages(rnd.sends[peer], big_bytes)):
             if len(msg) > 1 or msg[0].nbytes < big_bytes:
-                take(("send", peer, i), packed_size(msg))
+                take(Packed(peer, i), packed_size(msg))
             elif not is_contiguous_slice(msg[0].src, msg[0].box) or msg[0].src.local in off_device:
                 t = msg[0]
                 # Pack once, send to every peer that gets the same slice.
-                take(("slice", t.kind, t.src.local, t.src.offset, t.box), t.nbytes)
+                take(slice_key(t), t.nbytes)
     for peer in sorted(rnd.recvs):
         if peer in delta_peers:
-            take(("drecv", peer), sum(dense_size(t) for t in rnd.recvs[peer]))
+            take(DeltaPayload(peer, False), sum(dense_size(t) for t in rnd.recvs[peer]))
             continue
         for i, msg in enumerate(messages(rnd.recvs[peer], big_bytes)):
             if (
@@ -245,8 +292,13 @@ def round_staging(
                 or not receives_in_place(msg[0])
                 or msg[0].dst.local in off_device
             ):
-                take(("recv", peer, i), packed_size(msg))
+                take(Unpacked(peer, i), packed_size(msg))
     return total, offsets
+
+
+def slice_key(t: Transfer) -> Slice:
+    """The staging of a big source slice ``t`` reads (the same for every peer it goes to)."""
+    return Slice(t.kind, t.src.local, t.src.offset, t.box)
 
 
 def check_links(statuses: list[wire.Status], refit: int) -> None:

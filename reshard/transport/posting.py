@@ -27,11 +27,13 @@ operations are posted one by one.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 if TYPE_CHECKING:
     import torch
+
+    from reshard.transport.locals import LocalTensors
 
 __all__ = ["Op", "device_problem", "off_device_locals", "on_device", "post_ops"]
 
@@ -60,14 +62,14 @@ def device_problem(buf: torch.Tensor, device: torch.device, backend: str) -> str
     return ""
 
 
-def off_device_locals(tensors: Mapping[str, torch.Tensor], device: torch.device) -> frozenset[str]:
+def off_device_locals(tensors: LocalTensors, device: torch.device) -> frozenset[str]:
     """The local tensors of ``tensors`` that are not on ``device`` (the
     group's): an offloaded trainer's shards in host memory, an engine's
     pinned host staging buffers. Their messages are staged through the
-    arena. A mapping that materializes tensors on demand
-    (``reshard_lazy``) is taken to be on the device: each tensor is checked
-    when the executor first touches it, before anything is posted."""
-    if getattr(tensors, "reshard_lazy", False):
+    arena. Tensors that materialize on demand (``lazy``) are taken to be on
+    the device: each is checked when the executor first touches it, before
+    anything is posted."""
+    if tensors.lazy:
         return frozenset()
     return frozenset(name for name, t in tensors.items() if t.device != device)
 

@@ -36,7 +36,7 @@ import contextlib
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -56,6 +56,7 @@ from reshard.transport.execute import Executor
 from reshard.transport.exports import SessionExports
 from reshard.transport.group import ABORT_GRACE_S, EpochMoved, GroupConfig, RefitGroup
 from reshard.transport.links import no_wire_problems
+from reshard.transport.locals import LocalTensors, local_tensors
 from reshard.transport.messages import (
     BIG_BYTES,
     DEFAULT_BUDGET_BYTES,
@@ -90,17 +91,15 @@ class RefitSession:
         *,
         rank: int,
         layout: Layout,
-        tensors: Mapping[str, torch.Tensor],
+        tensors: Mapping[str, torch.Tensor] | LocalTensors,
         device: torch.device | str = "cpu",
         budget_bytes: int = DEFAULT_BUDGET_BYTES,
         round_bytes: int | None = None,
         big_bytes: int = BIG_BYTES,
-        lazy: bool = False,
         progress: bool | None = None,
     ) -> None:
-        """``lazy``: ``tensors`` materializes tensors on demand (an engine's
-        parameters), so they are checked one by one as a refit touches them.
-        ``progress``: draw a progress line for long refits
+        """``tensors``: this rank's local tensors (:class:`LocalTensors`, or a
+        mapping). ``progress``: draw a progress line for long refits
         (:mod:`reshard.transport.progress`; ``None``: on refit rank 0 when
         its stderr is a terminal)."""
         if layout.rank != rank:
@@ -114,14 +113,13 @@ class RefitSession:
         self.config = config
         self.rank = rank
         self.layout = layout
-        self.tensors = tensors
+        self.tensors = local_tensors(tensors)
         self.device = device
         self.budget_bytes = budget_bytes
         self._asked = (round_bytes or max(1, min(DEFAULT_ROUND_BYTES, budget_bytes // 2)), big_bytes)
         """Round and message sizes this rank asks for; the group plans with the
         smallest any rank asked for (see :meth:`RefitGroup.plan_inputs`)."""
         self.round_bytes, self.big_bytes = self._asked
-        self.lazy = lazy
         self.progress = progress
         self._cancelled: str | None = None
         self.budgets: dict[int, int] = {}
@@ -155,7 +153,7 @@ class RefitSession:
     def is_source(self) -> bool:
         return self.rank < self.config.num_sources
 
-    def set_layout(self, layout: Layout, tensors: Mapping[str, torch.Tensor] | None = None) -> bool:
+    def set_layout(self, layout: Layout, tensors: Mapping[str, torch.Tensor] | LocalTensors | None = None) -> bool:
         """Refit with ``layout`` (and ``tensors``, when given) from the next
         refit on; returns whether the layout changed. Every rank notices the
         change at that refit's ``enter`` step and reads this rank's layout
@@ -164,7 +162,7 @@ class RefitSession:
         if layout.rank != self.rank:
             raise ValueError(f"layout is for rank {layout.rank}, session for rank {self.rank}")
         if tensors is not None:
-            self.tensors = tensors
+            self.tensors = local_tensors(tensors)
         digest = layout_digest(layout)
         if digest == self._digest:
             return False
@@ -391,47 +389,32 @@ class RefitSession:
         )
         return RefitError("version", dict.fromkeys(holders, text), version=refit, agreed=True)
 
-    def refit(
-        self,
-        refit: int,
-        *,
-        destinations: Mapping[str, torch.Tensor] | None = None,
-        after_round: Callable[[int], None] | None = None,
-        before_transfer: Callable[[RankPlan], None] | None = None,
-        touched: set[str] | None = None,
-        after_transfer: Callable[[], None] | None = None,
-    ) -> RefitStats:
-        """Run refit number ``refit`` (see the module docstring). ``touched``
-        (``GroupConfig.delta``, a destination): a set the local tensors whose
-        values changed join as rounds complete (before ``after_round``).
-        ``after_transfer()`` runs once this rank's last round completed,
-        before every rank agrees on the outcome: work the rounds handed
-        elsewhere (an engine applying layers in a thread of its own) ends
-        there, and its failure fails the refit on every rank."""
+    def refit(self, refit: int, *, into: Mapping[str, torch.Tensor] | LocalTensors | None = None) -> RefitStats:
+        """Run refit number ``refit`` (see the module docstring). ``into``:
+        the tensors this refit writes (a destination) or reads (a source),
+        with their own lifecycle (:class:`LocalTensors`: begun once the plan
+        is agreed, told of every round that landed, finished before the
+        outcome is agreed, where its failure fails the refit on every rank);
+        default: the session's own. They must match this rank's layout."""
         t0 = time.perf_counter()
         cpu0 = time.process_time()
         started_at = time.time()
+        tensors = self._refit_tensors(into)
         with self._attempt(refit):
             group = self._enter(refit)
             with on_device(group.device):
                 enter_s = time.perf_counter() - t0
-                exports = self.exports.publish(
-                    group, self.config, self.tensors, group.device, lambda: self._planned()[0]
-                )
-                plan, statuses, agree_s = self._agree_plan(group, refit, destinations, exports)
+                exports = self.exports.publish(group, self.config, tensors, group.device, lambda: self._planned()[0])
+                plan, statuses, agree_s = self._agree_plan(group, refit, tensors, exports)
                 plan_s = time.perf_counter() - t0 - enter_s - agree_s
                 delta = self._delta_run(group, plan, statuses) if group.config.delta else None
-                if delta is not None and touched is not None:
-                    delta.touched = touched
                 exported = self.exports.needed(group, statuses, exports[0])
-                ex_stats, error = self._execute(
-                    group, plan, refit, destinations, after_round, before_transfer, delta, exported, after_transfer
-                )
+                ex_stats, error = self._execute(group, plan, refit, tensors, delta, exported)
                 agree_s += enter_s + self._agree_outcome(group, refit, error)
                 self.last_refit = refit
                 assert ex_stats is not None
                 if group.config.delta:
-                    self._delta_done(group, plan, refit, destinations)
+                    self._delta_done(group, plan, refit, tensors)
                     if self.is_source and self.delta.snapshots is not None:
                         self.delta.speeds.saw(ex_stats, group.device)
                 return RefitStats(
@@ -470,13 +453,11 @@ class RefitSession:
         finally:
             self._cancelled = None
 
-    def _local_problems(self, destinations: Mapping[str, torch.Tensor] | None) -> list[Problem]:
+    def _local_problems(self, tensors: LocalTensors) -> list[Problem]:
         """What is wrong with the local tensors of this refit (see :func:`check_locals`).
-        Mappings that materialize tensors lazily (``reshard_lazy = True``, an
-        engine's parameters) are checked tensor by tensor as the executor
-        first touches them instead."""
-        tensors = destinations if destinations is not None else self.tensors
-        if getattr(tensors, "reshard_lazy", False) or (destinations is None and self.lazy):
+        Tensors that materialize on demand (``lazy``: an engine's parameters)
+        are checked tensor by tensor as the executor first touches them instead."""
+        if tensors.lazy:
             return []
         return check_locals(self.layout, tensors, role="source" if self.is_source else "destination")
 
@@ -484,18 +465,18 @@ class RefitSession:
         self,
         group: RefitGroup,
         refit: int,
-        destinations: Mapping[str, torch.Tensor] | None,
+        tensors: LocalTensors,
         exports: tuple[tuple[wire.Export, ...], str],
     ) -> tuple[RankPlan, list[wire.Status], float]:
         """Steps a/b: plan this rank and agree on the plan with every rank,
         shrinking rounds until every rank's staging fits its budget (``exports``:
         what this rank exports, and its digest). Returns the plan, every
         rank's status and the time spent agreeing."""
-        local = self._local_problems(destinations)
+        local = self._local_problems(tensors)
         agree_s = 0.0
         for attempt in range(_PLAN_ATTEMPTS):
             step = "plan" if attempt == 0 else f"plan.{attempt}"
-            status = self._plan_status(group, refit, step, local, exports, destinations)
+            status = self._plan_status(group, refit, step, local, exports, tensors)
             ta = time.perf_counter()
             # Over its budget, a rank makes every rank read every status: the
             # smaller rounds are one decision from every rank's need.
@@ -539,7 +520,7 @@ class RefitSession:
         step: str,
         local: list[Problem],
         exports: tuple[tuple[wire.Export, ...], str],
-        destinations: Mapping[str, torch.Tensor] | None,
+        tensors: LocalTensors,
     ) -> wire.Status:
         """This rank's status for plan step ``step``: its problems, or its
         staging need, per-peer message summary and delta fields. A planning
@@ -551,12 +532,12 @@ class RefitSession:
         try:
             plan, links = self._planned()
             capable = capable_pairs(group, plan)
-            off = off_device_locals(self._refit_tensors(destinations), group.device)
+            off = off_device_locals(tensors, group.device)
             need = staging_bound(plan, self.big_bytes, frozenset(capable), off)
             if off and group.config.delta and self.is_source:
                 problems += (self._off_device_delta(group, off),)
             if group.config.delta:
-                delta_fields = self._delta_status(group, plan, destinations)
+                delta_fields = self._delta_status(group, plan, tensors)
             if group.no_wire:
                 problems += no_wire_problems(group, plan, exports[0], self.exports.refused)
         except PlanError as e:
@@ -578,11 +559,9 @@ class RefitSession:
             **delta_fields,
         )
 
-    def _refit_tensors(self, destinations: Mapping[str, torch.Tensor] | None) -> Mapping[str, torch.Tensor]:
+    def _refit_tensors(self, into: Mapping[str, torch.Tensor] | LocalTensors | None) -> LocalTensors:
         """The local tensors a refit reads or writes on this rank."""
-        if self.is_source:
-            return self.tensors
-        return destinations if destinations is not None else self.tensors
+        return self.tensors if into is None else local_tensors(into)
 
     def _off_device_delta(self, group: RefitGroup, off: frozenset[str]) -> Problem:
         """Why a delta sender cannot send from tensors off the group's device."""
@@ -602,31 +581,26 @@ class RefitSession:
         group: RefitGroup,
         plan: RankPlan,
         refit: int,
-        destinations: Mapping[str, torch.Tensor] | None,
-        after_round: Callable[[int], None] | None,
-        before_transfer: Callable[[RankPlan], None] | None,
+        tensors: LocalTensors,
         delta: DeltaRun | None,
         exported: Mapping[int, Mapping[str, wire.Export]],
-        after_transfer: Callable[[], None] | None = None,
     ) -> tuple[ExecStats | None, str]:
-        """Step c: run this rank's rounds (``exported``: the colocated senders'
-        exports it reads). Returns its stats, or the error that stopped it
-        (every rank is told at once, so peers stop waiting on it)."""
+        """Step c: begin ``tensors``' refit, run this rank's rounds
+        (``exported``: the colocated senders' exports it reads), finish it.
+        Returns its stats, or the error that stopped it (every rank is told
+        at once, so peers stop waiting on it)."""
         progress = Progress(refit, plan) if wants_progress(self.progress, self.rank) else None
-        if progress is not None:
-            after_round = _chain(progress, after_round)
         try:
-            if before_transfer is not None:
-                before_transfer(plan)
+            tensors.begin(plan)
             ex = Executor(
                 group,
                 plan,
-                sources=self.tensors if self.is_source else {},
-                destinations=destinations if destinations is not None else ({} if self.is_source else self.tensors),
+                sources=tensors if self.is_source else None,
+                destinations=None if self.is_source else tensors,
                 budget_bytes=self.budget_bytes,
                 big_bytes=self.big_bytes,
                 device=group.device,
-                after_round=after_round,
+                after_round=progress,
                 refit=refit,
                 checksums=self.config.checksums,
                 exports=exported,
@@ -638,10 +612,9 @@ class RefitSession:
                 # in every page again (on a GPU, torch's allocator caches it).
                 self._arena = ex.arena
             stats = ex.run()
-            if after_transfer is not None:
-                t0 = time.perf_counter()
-                after_transfer()
-                stats.timed("after_transfer", time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            tensors.finish()
+            stats.timed("after_transfer", time.perf_counter() - t0)
             return stats, ""
         except RefitError as e:
             error = e.errors.get(self.rank, str(e))
@@ -664,27 +637,24 @@ class RefitSession:
         group.agree("transfer", refit, status, timeout_s=grace, peers=())
         return time.perf_counter() - ta
 
-    def _delta_done(
-        self, group: RefitGroup, plan: RankPlan, refit: int, destinations: Mapping[str, torch.Tensor] | None
-    ) -> None:
+    def _delta_done(self, group: RefitGroup, plan: RankPlan, refit: int, tensors: LocalTensors) -> None:
         """A refit succeeded on every rank: it is the base of the next delta,
-        and the digests of what this rank sent (or holds) are taken now, in
-        the background, for the next plan step."""
+        and the digests of what this rank sent (or holds, where only reshard
+        writes it) are taken now, in the background, for the next plan step."""
         self.delta.base, self.delta.note = refit, ""
         if self.delta.snapshots is not None:
             self.delta.snapshots.digest_later()
-        elif self.delta.private and (dests := self._delta_tensors(destinations)) is not None:
-            self.delta.digest_later(group, plan, dests)
+        elif tensors.private and (base := self._delta_base(tensors)) is not None:
+            self.delta.digest_later(group, plan, base)
 
-    def _delta_tensors(self, destinations: Mapping[str, torch.Tensor] | None) -> Mapping[str, torch.Tensor] | None:
-        """A destination's base: the tensors this refit writes (``None``: a source, or materialized lazily)."""
-        if self.is_source or (destinations is None and self.lazy):
-            return None
-        return destinations if destinations is not None else self.tensors
+    def _delta_base(self, tensors: LocalTensors) -> LocalTensors | None:
+        """A destination's base: the tensors this refit writes (``None``: a
+        source, or tensors that materialize during the refit)."""
+        return None if self.is_source or tensors.lazy else tensors
 
-    def _delta_status(self, group: RefitGroup, plan: RankPlan, destinations: Mapping[str, torch.Tensor] | None) -> dict:
+    def _delta_status(self, group: RefitGroup, plan: RankPlan, tensors: LocalTensors) -> dict:
         """This rank's delta fields of its plan status (see :mod:`reshard.transport.delta`)."""
-        base, note, digests, notes = self.delta.status(group, plan, self._delta_tensors(destinations))
+        base, note, digests, notes = self.delta.status(group, plan, self._delta_base(tensors))
         return {"delta_base": base, "delta_note": note, "delta_digests": digests, "delta_notes": notes}
 
     def _delta_run(self, group: RefitGroup, plan: RankPlan, statuses: list[wire.Status]) -> DeltaRun:
@@ -727,9 +697,16 @@ class RefitSession:
         return self.budgets.get(rank) or DEFAULT_BUDGET_BYTES
 
     def refit_baseline(
-        self, refit: int, *, destinations: Mapping[str, torch.Tensor] | None = None, bucket_bytes: int | None = None
+        self,
+        refit: int,
+        *,
+        into: Mapping[str, torch.Tensor] | LocalTensors | None = None,
+        bucket_bytes: int | None = None,
     ) -> RefitStats:
-        """Refit ``refit`` by gather-and-broadcast (see :mod:`reshard.transport.baseline`)."""
+        """Refit ``refit`` by gather-and-broadcast (see :mod:`reshard.transport.baseline`);
+        ``into`` as for :meth:`refit` (begun with no plan of reshard's, and
+        told of no round: the baseline has none)."""
+        tensors = self._refit_tensors(into)
         t0 = time.perf_counter()
         cpu0 = time.process_time()
         started_at = time.time()
@@ -740,15 +717,17 @@ class RefitSession:
             # Buckets must cut alike on every rank: the smallest budget of any rank.
             bucket_bytes = bucket_bytes or min(self.budgets.values(), default=0) or self.budget_bytes
             with on_device(group.device):
+                tensors.begin(None)
                 ex = gather_broadcast(
                     group,
                     self._planner(),
                     refit,
-                    tensors=destinations if destinations is not None else self.tensors,
+                    tensors=tensors,
                     device=group.device,
                     broadcast_groups=self.broadcast_groups,
                     bucket_bytes=bucket_bytes,
                 )
+                tensors.finish()
         self.last_refit = refit
         return RefitStats(
             refit=refit,
@@ -780,17 +759,6 @@ class RefitSession:
 
     def close(self) -> None:
         self._drop()
-
-
-def _chain(first: Callable[[int], None], then: Callable[[int], None] | None) -> Callable[[int], None]:
-    if then is None:
-        return first
-
-    def both(i: int) -> None:
-        first(i)
-        then(i)
-
-    return both
 
 
 @dataclass(slots=True)

@@ -1,13 +1,17 @@
-"""What one rank moved in one refit (:class:`ExecStats`), and its account
-of the whole refit (:class:`RefitStats`)."""
+"""What one rank moved in one refit (:class:`ExecStats`), its account of the
+whole refit (:class:`RefitStats`), and an engine worker's account as its
+driver hands it to the trainer (:class:`EngineStats`)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
 
 from reshard.plan.items import Transfer
 
-__all__ = ["PHASES", "ExecStats", "RefitStats", "count_cast"]
+__all__ = ["PHASES", "EngineStats", "ExecStats", "RefitStats", "count_cast"]
 
 PHASES = {
     "wait": "blocked until a round's messages arrived or left (the wire, as this rank sees it)",
@@ -20,8 +24,10 @@ PHASES = {
     "snapshot": "a delta sender's snapshot of what it sent dense brought up to date (created, the first time)",
     "direct": "slices copied straight out of a colocated sender's memory",
     "copy": "local copies (source and destination on this rank)",
-    "after_round": "the caller's work between rounds (an engine applying the layers whose bytes landed)",
-    "after_transfer": "the caller's work after the last round, before the outcome is agreed (an apply draining)",
+    "after_round": "the local tensors' own work between rounds (landed: an engine applying the layers whose "
+    "bytes landed)",
+    "after_transfer": "the local tensors' own work after the last round, before the outcome is agreed (finish: "
+    "an apply draining)",
 }
 """The phases of :attr:`ExecStats.phase_seconds`: where a rank's transfer time went."""
 
@@ -168,3 +174,143 @@ class RefitStats:
             finished_at=self.finished_at,
         )
         return d
+
+
+class EngineStats(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """One engine worker's account of one refit, typed (``Sender.engine_stats``).
+
+    The worker builds it in one place (:meth:`of_refit`, from its
+    :class:`RefitStats` and what its engine did) and its reply carries it
+    as plain data; the trainer decodes it strictly (:meth:`of`): a field
+    this type does not know is refused, never dropped. A field an engine
+    does not report keeps its default."""
+
+    rank: int = -1
+    """The worker's refit rank."""
+    refit: int = 0
+    # -- what moved (ExecStats) -------------------------------------------------
+    bytes_received: int = 0
+    """Bytes that reached the worker, in the dtypes they travel (the trainer's)."""
+    bytes_landed: int = 0
+    """Of those, the bytes written into the worker's tensors, in the worker's
+    dtypes: ``kept_bytes`` after a refit, whatever was cast on arrival."""
+    bytes_sent: int = 0
+    bytes_copied: int = 0
+    """Bytes the worker copied from itself (a slice it both holds and keeps)."""
+    messages_sent: int = 0
+    messages_received: int = 0
+    rounds: int = 0
+    peak_staging_bytes: int = 0
+    recv_by_peer: dict[int, int] = {}
+    send_by_peer: dict[int, int] = {}
+    recv_by_link: dict[str, int] = {}
+    send_by_link: dict[str, int] = {}
+    direct_bytes: int = 0
+    checksum_seconds: float = 0.0
+    casts: dict[str, int] = {}
+    """Bytes received in one dtype and cast into another on arrival, by
+    ``"src->dst"`` dtype pair (counted in the dtype they travel)."""
+    dense_bytes: int = 0
+    """What a dense refit moves over the worker's links (sent plus received)."""
+    wire_bytes: int = 0
+    """What this refit moved over them: ``dense_bytes`` without deltas."""
+    delta_peers: list[int] = []
+    """Trainer ranks that sent this worker deltas."""
+    dense_peers: dict[int, str] = {}
+    """Trainer ranks that could have, that sent dense this refit, with why."""
+    delta_elements: int = 0
+    """Elements the deltas covered; ``delta_changed`` of them changed."""
+    delta_changed: int = 0
+    encodings: dict[str, int] = {}
+    """Delta parts by encoding (``same``, ``dense``, ``sparse``, ``bitmask``)."""
+    delta_seconds: float = 0.0
+    phase_seconds: dict[str, float] = {}
+    """Where the worker's transfer time went (:data:`PHASES`)."""
+    landed_seconds: float = 0.0
+    # -- the refit session (RefitStats) ---------------------------------------------
+    plan_seconds: float = 0.0
+    agree_seconds: float = 0.0
+    transfer_seconds: float = msgspec.field(default=0.0, name="seconds")
+    total_seconds: float = 0.0
+    """The worker's refit session, from entering the refit to its end."""
+    cpu_seconds: float = 0.0
+    round_bytes: int = 0
+    started_at: float = 0.0
+    finished_at: float = 0.0
+    # -- the engine -----------------------------------------------------------------
+    kept_bytes: int = 0
+    """Bytes of checkpoint tensors this worker keeps, in its own dtypes: what
+    a refit must land (``bytes_landed``). ``bytes_received`` equals it when
+    the trainer holds the same dtypes; a trainer in float32 into a bfloat16
+    engine sends twice that (see ``casts``)."""
+    apply_seconds: float = 0.0
+    """The engine's own apply (layerwise processing, repacking) of the new weights."""
+    refit_seconds: float = 0.0
+    """The whole refit on the worker: receive and apply."""
+    atomic: bool = False
+    """A failure would have put the old weights back."""
+    delta: bool = False
+    """The worker runs delta refits (``GroupConfig.delta``)."""
+    two_phase: bool = False
+    """Received into staging buffers while the engine served, then applied."""
+    stage_seconds: float = 0.0
+    staging_bytes: int = 0
+    layers_processed: int = 0
+    """vLLM: layers that went through its reload lifecycle (processed)."""
+    layers_direct: int = 0
+    """vLLM: of those, layers whose bytes landed in their live tensors."""
+    layers_skipped: int = 0
+    """Delta refits into vLLM: layers left as they were (none of their weights changed)."""
+    buffers_kept_by_engine: int = 0
+    """vLLM on a CPU: staging buffers the engine kept after processing (the pool took fresh ones)."""
+    lifecycle_seconds: dict[str, float] = {}
+    """vLLM: where the apply's time went, by step (``reshard.adapters.vllm.update.STEPS``)."""
+    loader_tensors: int = 0
+    """Tensors that went through the engine's own loader (not plain copies)."""
+    post_load_seconds: float = 0.0
+    """SGLang: its loaders and post-load hooks after the transfer."""
+    learn_seconds: float = 0.0
+    """SGLang: learning the worker's layout from its loaders (once per worker)."""
+    pieces: int = 0
+    """SGLang: the pieces of the worker's layout."""
+    # -- adapter-only (LoRA) refits --------------------------------------------------
+    adapter: str = ""
+    lora_path: str = ""
+    lora_name: str = ""
+    lora_int_id: int = 0
+    # -- the driver -------------------------------------------------------------------
+    paused_seconds: float | None = None
+    """How long the engine's generation was paused (``None``: not reported)."""
+    engine_seconds: float | None = None
+    """The driver's whole call, pause and resume included."""
+    staged: bool = False
+    """The driver staged the refit while the engine served (two-phase)."""
+
+    @classmethod
+    def of_refit(cls, stats: RefitStats, **engine: Any) -> EngineStats:
+        """A worker's account: ``stats`` (its refit session) and what its
+        engine did (``engine``: fields of this type; another is a
+        ``TypeError`` here, at the worker, not a field lost on the way)."""
+        return cls(rank=stats.rank, **{**_session_fields(stats), **engine})
+
+    def to_builtins(self) -> dict[str, Any]:
+        """Plain data for a reply (JSON over HTTP, msgpack through a store)."""
+        return msgspec.to_builtins(self)
+
+    @classmethod
+    def of(cls, reply: Any) -> EngineStats:
+        """The stats of a worker's reply (an object with ``rank`` and
+        ``stats``), decoded strictly: a field this type does not know raises
+        ``msgspec.ValidationError`` naming it. (Lax only where JSON must be:
+        the integer keys of ``dense_peers`` arrive as strings.)"""
+        stats = dict(getattr(reply, "stats", None) or {})
+        stats.setdefault("rank", getattr(reply, "rank", -1))
+        return msgspec.convert(stats, cls, strict=False)
+
+
+def _session_fields(stats: RefitStats) -> dict[str, Any]:
+    fields = stats.as_dict()
+    # (ExecStats' own rank is the same; the touched set stays on the worker.)
+    fields.pop("rank", None)
+    fields["transfer_seconds"] = fields.pop("seconds")
+    return fields

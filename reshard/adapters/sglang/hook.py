@@ -118,13 +118,8 @@ def _run(model, cmd: Command) -> WorkerReply:
         # the next refit with a new generation (a new ``GroupSpec``).
         _close()
         return fail(e, mixed=receiver.mixed)
-    numbers: dict[str, Any] = {
-        k: float(v) for k, v in stats.items() if isinstance(v, int | float) and not isinstance(v, bool)
-    }
-    numbers["learn_seconds"] = _STATE.learn_seconds
-    # Delta refits: which peers moved deltas, why the others moved dense, the encodings.
-    numbers.update({k: stats[k] for k in ("delta", "delta_peers", "dense_peers", "encodings") if k in stats})
-    return WorkerReply(id=cmd.id, rank=rank, tp_rank=tp_rank, ok=True, stats=numbers)
+    stats.learn_seconds = _STATE.learn_seconds
+    return WorkerReply(id=cmd.id, rank=rank, tp_rank=tp_rank, ok=True, stats=stats.to_builtins())
 
 
 def _receiver(model, spec: GroupSpec, rank: int, tp_rank: int) -> SglangReceiver:

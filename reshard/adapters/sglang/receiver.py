@@ -31,7 +31,8 @@ A failure after step 2 leaves the parameters mixing old and new values:
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 from reshard.adapters.core.recording import LOADER_PREFIX, LearnedLayout
 from reshard.adapters.sglang.layout import canonical_tensors_of, learn_layout
@@ -39,9 +40,11 @@ from reshard.errors import ReshardError
 from reshard.plan.items import RankPlan
 from reshard.plan.layout import TensorMeta, dtype_size
 from reshard.plan.specs import build_layout
-from reshard.receiver import Receiver
+from reshard.receiver import EngineReceiver, Receiver
 from reshard.transport.group import GroupConfig
+from reshard.transport.locals import LocalTensors
 from reshard.transport.session import DEFAULT_BUDGET_BYTES
+from reshard.transport.stats import EngineStats
 
 if TYPE_CHECKING:
     import torch
@@ -87,7 +90,7 @@ def refresh_derived(model: torch.nn.Module) -> None:
         post()
 
 
-class SglangReceiver:
+class SglangReceiver(EngineReceiver):
     """Pulls refits into one SGLang worker's live parameters (see the module docstring)."""
 
     def __init__(
@@ -130,7 +133,8 @@ class SglangReceiver:
             budget_bytes=budget_bytes,
         )
         self.mixed = False
-        self.last_stats: dict[str, Any] = {}
+        self.last_stats = EngineStats()
+        """This worker's account of its last refit."""
 
     def _live(self) -> dict[str, torch.Tensor]:
         """Every parameter a piece writes, found by name now: SGLang's
@@ -144,32 +148,14 @@ class SglangReceiver:
     def kept_bytes(self) -> int:
         return sum(p.box.numel * dtype_size(p.tensor.dtype) for p in self.learned.pieces)
 
-    def _zero_padding(self, plan: RankPlan | None = None) -> None:
-        import torch
-
-        self.mixed = True
-        with torch.no_grad():
-            for name, boxes in self.learned.zero_fill.items():
-                t = self.params[name]
-                for b in boxes:
-                    t[tuple(slice(o, o + n) for o, n in zip(b.offsets, b.sizes, strict=True))].zero_()
-
-    def pull(self, refit: int, *, method: str = "reshard") -> dict[str, Any]:
+    def pull(self, refit: int, *, method: str = "reshard") -> EngineStats:
         """Receive refit ``refit`` (collective with every refit rank)."""
         import torch
 
         self.mixed = False
         t0 = time.perf_counter()
         self.params = self._live()
-        if method != "reshard":
-            # The baseline writes from its first broadcast on.
-            self._zero_padding()
-        stats = self.receiver.pull(
-            refit,
-            method=method,
-            destinations={**self.params, **self.loader_buffers},
-            before_transfer=self._zero_padding,
-        )
+        stats = self.receiver.pull(refit, method=method, into=_LiveParams(self))
         t1 = time.perf_counter()
         # With deltas only the loader tensors that changed go through the
         # loader again (a copy: SGLang's loaders may change what they read
@@ -190,17 +176,50 @@ class SglangReceiver:
             self.receiver.forget_base(f"SGLang's loaders failed after refit {refit} ({type(e).__name__})")
             raise
         self.mixed = False
-        self.last_stats = {
-            **stats.as_dict(),
-            "post_load_seconds": time.perf_counter() - t1,
-            "refit_seconds": time.perf_counter() - t0,
-            "kept_bytes": self.kept_bytes,
-            "learn_seconds": self.learn_seconds,
-            "pieces": len(self.learned.pieces),
-            "loader_tensors": len(loaded),
-            "delta": self.receiver.session.config.delta,
-        }
+        self.last_stats = EngineStats.of_refit(
+            stats,
+            post_load_seconds=time.perf_counter() - t1,
+            apply_seconds=time.perf_counter() - t1,
+            refit_seconds=time.perf_counter() - t0,
+            kept_bytes=self.kept_bytes,
+            learn_seconds=self.learn_seconds,
+            pieces=len(self.learned.pieces),
+            loader_tensors=len(loaded),
+            delta=self.receiver.config.delta,
+        )
         return self.last_stats
 
     def close(self) -> None:
         self.receiver.close()
+
+
+class _LiveParams(LocalTensors):
+    """A refit's destination in an SGLang worker: its live parameters (found
+    anew at every pull) and the loader tensors' buffers. Once every rank
+    agreed to go ahead (``begin``), the regions no piece writes are zeroed
+    (vocabulary padding, as SGLang's loader leaves it), and the worker counts
+    as mixed until the pull and its loaders are done."""
+
+    def __init__(self, owner: SglangReceiver) -> None:
+        self.owner = owner
+        self.tensors = {**owner.params, **owner.loader_buffers}
+
+    def begin(self, plan: RankPlan | None) -> None:
+        import torch
+
+        owner = self.owner
+        owner.mixed = True
+        with torch.no_grad():
+            for name, boxes in owner.learned.zero_fill.items():
+                t = owner.params[name]
+                for b in boxes:
+                    t[tuple(slice(o, o + n) for o, n in zip(b.offsets, b.sizes, strict=True))].zero_()
+
+    def resolve(self, name: str) -> torch.Tensor:
+        return self.tensors[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.tensors)
+
+    def __len__(self) -> int:
+        return len(self.tensors)

@@ -158,7 +158,7 @@ class ReshardEngine(WeightTransferEngine[ReshardInitInfo, ReshardUpdateInfo]):
         if update_info.phase == "stage":
             self.receiver.stage(refit, method=method)
         elif update_info.phase == "commit":
-            self.receiver.commit(refit, wait_s=self.receiver.receiver.session.config.timeout_s)
+            self.receiver.commit(refit, wait_s=self.receiver.timeout_s)
         else:
             self.receiver.pull(refit, method=method)
 

@@ -57,6 +57,7 @@ from typing import Any
 
 from reshard.adapters.core.replies import WorkerReply, failure
 from reshard.adapters.core.spec import GroupSpec
+from reshard.transport.stats import EngineStats
 
 __all__ = ["ReshardWorkerExtension"]
 
@@ -109,15 +110,16 @@ class ReshardWorkerExtension:
     def reshard_commit(self, refit: int | str) -> dict[str, Any]:
         return self._reshard_call(lambda r: self._updated(r.commit(int(refit))))
 
-    def _updated(self, stats: dict[str, Any]) -> dict[str, Any]:
+    def _updated(self, stats: EngineStats) -> dict[str, Any]:
         """After the live weights changed: refresh what vLLM's own
         ``finish_weight_update`` refreshes (``model_runner.reset_lora_state``:
         LoRA adapters computed against the old weights, and in vLLM 0.33
-        quantized draft heads of speculative decoding), where it exists."""
+        quantized draft heads of speculative decoding), where it exists.
+        Returns the worker's account as its reply carries it."""
         reset = getattr(self.model_runner, "reset_lora_state", None)
         if reset is not None:
             reset()
-        return stats
+        return stats.to_builtins()
 
     def _reshard_call(self, fn) -> dict[str, Any]:
         """``fn(receiver)``'s stats as a reply (a failure reply if it raised)."""
@@ -147,7 +149,7 @@ class ReshardWorkerExtension:
         r = getattr(self, "_reshard", None)
         if r is None:
             return WorkerReply(ok=True, stats={"ready": False, "refit": 0}).to_builtins()
-        stats = {"ready": True, "refit": r.receiver.session.last_refit}
+        stats = {"ready": True, "refit": r.receiver.last_refit}
         return WorkerReply(ok=True, rank=r.rank, mixed=r.mixed, stats=stats).to_builtins()
 
     def _reshard_init(self, spec: GroupSpec) -> WorkerReply:
@@ -236,7 +238,7 @@ class ReshardWorkerExtension:
 
     def reshard_stats(self) -> dict[str, Any]:
         r = getattr(self, "_reshard", None)
-        return dict(r.last_stats) if r is not None else {}
+        return r.last_stats.to_builtins() if r is not None else {}
 
     def reshard_close(self) -> None:
         r = getattr(self, "_reshard", None)

@@ -41,6 +41,7 @@ from reshard.receiver import Receiver
 from reshard.sender.lora_adapter import AdapterSpec
 from reshard.transport.group import GroupConfig
 from reshard.transport.session import DEFAULT_BUDGET_BYTES
+from reshard.transport.stats import EngineStats
 
 if TYPE_CHECKING:
     import torch
@@ -304,15 +305,15 @@ class AdapterReceiver:
         model = self._build(lora_id)
         path = lora_path(self.name, refit)
         self.owner.store[path] = model
-        return {
-            **stats.as_dict(),
-            "adapter": self.name,
-            "lora_path": path,
-            "lora_name": version_name(self.name, refit),
-            "lora_int_id": lora_id,
-            "kept_bytes": self.kept_bytes,
-            "refit_seconds": time.perf_counter() - t0,
-        }
+        return EngineStats.of_refit(
+            stats,
+            adapter=self.name,
+            lora_path=path,
+            lora_name=version_name(self.name, refit),
+            lora_int_id=lora_id,
+            kept_bytes=self.kept_bytes,
+            refit_seconds=time.perf_counter() - t0,
+        ).to_builtins()
 
     def _build(self, lora_id: int) -> Any:
         """vLLM's ``LoRAModel`` of what the buffers hold (copies: the next refit

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from reshard.adapters.core.recording import LearnedLayout
-from reshard.adapters.vllm.applier import Applier
+from reshard.adapters.vllm.destination import LayerwiseRefit
 from reshard.adapters.vllm.direct import direct_layers
 from reshard.adapters.vllm.layout import learn_layout
 from reshard.adapters.vllm.lifecycle import (
@@ -50,10 +50,12 @@ from reshard.adapters.vllm.update import LayerwiseUpdate, WorkerModel, keeps_bac
 from reshard.errors import MixedWeightsError, ReshardError
 from reshard.plan.layout import TensorMeta
 from reshard.plan.specs import build_layout
-from reshard.receiver import Receiver
+from reshard.receiver import EngineReceiver, Receiver
 from reshard.transport.group import GroupConfig
+from reshard.transport.locals import Tensors
 from reshard.transport.posting import on_device
-from reshard.transport.session import DEFAULT_BUDGET_BYTES
+from reshard.transport.session import DEFAULT_BUDGET_BYTES, RefitStats
+from reshard.transport.stats import EngineStats
 
 if TYPE_CHECKING:
     import torch
@@ -150,7 +152,7 @@ class _Staging:
         return self.thread is not None and not self.thread.is_alive()
 
 
-class VllmReceiver:
+class VllmReceiver(EngineReceiver):
     """Learns this worker's layout once, then pulls refits into the live engine."""
 
     def __init__(
@@ -192,6 +194,7 @@ class VllmReceiver:
         self._buffers: dict[str, torch.Tensor] | None = None
         self._stage_stream: Any = None
         """The CUDA stream two-phase stages receive on (beside the engine's)."""
+        self._base_tensors: Tensors | None = None
         with vllm_context(vllm_config):
             direct = direct_layers(modules, self.learned, self.learned.whole())
         if config.pg_env is None:
@@ -212,29 +215,28 @@ class VllmReceiver:
             device=None if self._cpu else device,
         )
         self.rank = rank
+        # Every pull says which tensors it lands in (its ``into``).
         self.receiver = Receiver(
-            {},
-            config=config,
-            rank=rank,
-            layout=self.layout,
-            device=device,
-            budget_bytes=budget_bytes,
-            check_tensors=False,
-            # With deltas the base is the staging buffers, which only reshard writes.
-            private_base=True,
+            {}, config=config, rank=rank, layout=self.layout, device=device, budget_bytes=budget_bytes
         )
-        self.last_stats: dict[str, Any] = {}
+        self.last_stats = EngineStats()
+        """This worker's account of its last refit."""
         # Layers are processed on this thread while later rounds arrive (see
         # Applier); on CPU it yields to the receive (see idle_priority).
         self._apply_pool = cf.ThreadPoolExecutor(1, thread_name_prefix="reshard-apply")
         self._staging: _Staging | None = None
 
     @property
+    def timeout_s(self) -> float:
+        """The refit group's timeout (how long a commit waits for its stage)."""
+        return self.receiver.config.timeout_s
+
+    @property
     def kept_bytes(self) -> int:
         """Bytes of checkpoint tensors this worker keeps, in the dtypes it keeps them."""
         return sum(p.box.numel * _itemsize(p.local_dtype or p.tensor.dtype) for p in self.learned.pieces)
 
-    def pull(self, refit: int, *, method: str = "reshard", atomic: bool | None = None) -> dict[str, Any]:
+    def pull(self, refit: int, *, method: str = "reshard", atomic: bool | None = None) -> EngineStats:
         """Receive refit ``refit`` into the live model (collective with every refit rank).
 
         Default: each layer is processed (repacked) after the last round that
@@ -245,39 +247,62 @@ class VllmReceiver:
         layer is processed before every rank reported a complete transfer,
         so a failed refit leaves every old weight in place; it costs one
         materialized copy of everything this worker keeps
-        (:attr:`kept_bytes`) for the length of the refit."""
+        (:attr:`kept_bytes`) for the length of the refit.
+
+        With delta refits (``GroupConfig.delta``) the bytes land in the
+        staging buffers (the base the deltas patch) and the layers whose
+        buffers changed are applied from them, as a commit does: each as
+        soon as its last round landed, or (``atomic``) once every rank
+        reported a complete transfer."""
         with vllm_context(self.vllm_config), on_device(self.device):
             return self._pull(refit, method, self.atomic if atomic is None else atomic)
 
-    def _pull(self, refit: int, method: str, atomic: bool) -> dict[str, Any]:
+    def _pull(self, refit: int, method: str, atomic: bool) -> EngineStats:
         self._wait_staging()
-        if self.delta:
-            return self._pull_delta(refit, method, atomic)
-        update = LayerwiseUpdate(self.worker, refit, atomic=atomic)
         t0 = time.perf_counter()
-        with self._applying(update), Applier(update.after_round, self._apply_pool, idle=self._cpu) as applier:
-            stats = self.receiver.pull(
-                refit,
-                method=method,
-                destinations=update.tensors,
-                before_transfer=update.begin,
-                after_round=None if atomic else applier.released,
-                after_transfer=applier.drain,
-            )
-            # (The baseline has no rounds of ours: its first write starts the lifecycle.)
-            update.end()
-        self.last_stats = {
-            **stats.as_dict(),
-            "apply_seconds": update.process_seconds,
-            "refit_seconds": time.perf_counter() - t0,
-            "kept_bytes": self.kept_bytes,
-            "layers_processed": update.n_processed,
-            "layers_direct": update.n_direct,
-            "buffers_kept_by_engine": update.n_released,
-            "lifecycle_seconds": dict(update.seconds),
-            "loader_tensors": update.n_loaded,
-            "atomic": atomic,
-        }
+        if self.delta and atomic:
+            stats = self.receiver.pull(refit, method=method, into=self._base())
+            received = time.perf_counter() - t0
+            update = self._apply(refit, stats.touched)
+            return self._account(stats, update, t0, atomic=True, stage_seconds=received)
+        buffers = self._staging_buffers() if self.delta else None
+        update = LayerwiseUpdate(self.worker, refit, atomic=atomic)
+        try:
+            with (
+                self._applying(update),
+                LayerwiseRefit(update, self._apply_pool, idle=self._cpu, buffers=buffers, atomic=atomic) as into,
+            ):
+                stats = self.receiver.pull(refit, method=method, into=into)
+                received = time.perf_counter() - t0
+                if buffers is not None:
+                    update.load_from(buffers, None if stats.touched is None else set(stats.touched))
+                # (The baseline has no rounds of ours: its first write starts the lifecycle.)
+                update.end()
+        except BaseException as e:
+            if buffers is not None:
+                self.receiver.forget_base(f"applying refit {refit} failed on this engine ({type(e).__name__})")
+            raise
+        if buffers is None:
+            return self._account(stats, update, t0, atomic=atomic)
+        return self._account(stats, update, t0, atomic=atomic, stage_seconds=received)
+
+    def _account(self, stats: RefitStats, update: LayerwiseUpdate, t0: float, **more: Any) -> EngineStats:
+        """This worker's account of a refit (:attr:`last_stats`), built here alone."""
+        self.last_stats = EngineStats.of_refit(
+            stats,
+            apply_seconds=update.process_seconds,
+            refit_seconds=time.perf_counter() - t0,
+            kept_bytes=self.kept_bytes,
+            layers_processed=update.n_processed,
+            layers_direct=update.n_direct,
+            buffers_kept_by_engine=update.n_released,
+            lifecycle_seconds=dict(update.seconds),
+            loader_tensors=update.n_loaded,
+            layers_skipped=len(update.skipped),
+            delta=self.delta,
+            staging_bytes=self.staging_bytes,
+            **more,
+        )
         return self.last_stats
 
     # -- delta refits ----------------------------------------------------------
@@ -287,64 +312,7 @@ class VllmReceiver:
         """Delta refits (``GroupConfig.delta``): the staging buffers are this
         worker's base, patched by every refit and applied from, layers whose
         buffers changed only."""
-        return self.receiver.session.config.delta
-
-    def _pull_delta(self, refit: int, method: str, atomic: bool) -> dict[str, Any]:
-        """A delta refit, in place: receive into the staging buffers (the
-        base the deltas patch) and apply the layers whose buffers changed
-        from them, as a commit does: each as soon as its last round landed,
-        while later rounds are on the way, or (``atomic``) once every rank
-        reported a complete transfer, so that a failed refit leaves every old
-        weight in place."""
-        t0 = time.perf_counter()
-        buffers = self._staging_buffers()
-        if atomic:
-            stats = self.receiver.pull(refit, method=method, destinations=buffers)
-            received = time.perf_counter() - t0
-            update = self._apply(refit, stats.touched)
-        else:
-            update = LayerwiseUpdate(self.worker, refit)
-            touched: set[str] = set()
-            try:
-                with (
-                    self._applying(update),
-                    Applier(
-                        lambda i, changed: update.load_released(buffers, changed, i), self._apply_pool, idle=self._cpu
-                    ) as applier,
-                ):
-                    stats = self.receiver.pull(
-                        refit,
-                        method=method,
-                        destinations=buffers,
-                        before_transfer=update.begin,
-                        # What changed so far, taken on the executor's thread.
-                        after_round=lambda i: applier.released(i, frozenset(touched)),
-                        after_transfer=applier.drain,
-                        touched=touched,
-                    )
-                    received = time.perf_counter() - t0
-                    update.load_from(buffers, None if stats.touched is None else set(stats.touched))
-                    update.end()
-            except BaseException as e:
-                self.receiver.forget_base(f"applying refit {refit} failed on this engine ({type(e).__name__})")
-                raise
-        self.last_stats = {
-            **stats.as_dict(),
-            "apply_seconds": update.process_seconds,
-            "refit_seconds": time.perf_counter() - t0,
-            "stage_seconds": received,
-            "kept_bytes": self.kept_bytes,
-            "staging_bytes": self.staging_bytes,
-            "layers_processed": update.n_processed,
-            "layers_direct": update.n_direct,
-            "buffers_kept_by_engine": update.n_released,
-            "lifecycle_seconds": dict(update.seconds),
-            "layers_skipped": len(update.skipped),
-            "loader_tensors": update.n_loaded,
-            "atomic": atomic,
-            "delta": True,
-        }
-        return self.last_stats
+        return self.receiver.config.delta
 
     def _apply(self, refit: int, changed: frozenset[str] | None) -> LayerwiseUpdate:
         """vLLM's layerwise reload from the staging buffers: the layers whose
@@ -396,6 +364,14 @@ class VllmReceiver:
             }
         return self._buffers
 
+    def _base(self) -> Tensors:
+        """The staging buffers as the tensors a refit lands in: written by
+        reshard alone (a delta's base is digested after a refit, in a
+        thread); one object from one refit to the next."""
+        if self._base_tensors is None:
+            self._base_tensors = Tensors(self._staging_buffers(), private=True)
+        return self._base_tensors
+
     def stage(self, refit: int, *, method: str = "reshard") -> None:
         """Phase 1 of a two-phase refit: start receiving refit ``refit`` into
         staging buffers, in a thread of its own, and return at once. The live
@@ -403,7 +379,7 @@ class VllmReceiver:
         fails, nothing changed. :meth:`staging_state` says when it is done,
         :meth:`commit` applies it (with generation paused)."""
         self._wait_staging()
-        buffers = self._staging_buffers()
+        into = self._base()
         job = _Staging(refit, method)
 
         stream = self._side_stream()
@@ -414,7 +390,7 @@ class VllmReceiver:
                 # On a GPU, on a stream of its own: the engine keeps serving on
                 # its own streams meanwhile, and neither waits for the other.
                 with on_device(self.device), _on_stream(stream):
-                    job.stats = self.receiver.pull(refit, method=method, destinations=buffers)
+                    job.stats = self.receiver.pull(refit, method=method, into=into)
             except BaseException as e:  # reported by staging_state / commit
                 job.error = e
             job.seconds = time.perf_counter() - t0
@@ -439,7 +415,7 @@ class VllmReceiver:
         job = self._staging
         if job is None or job.thread is None or job.done:
             return
-        job.thread.join(timeout=self.receiver.session.config.timeout_s)
+        job.thread.join(timeout=self.receiver.config.timeout_s)
         if not job.done:
             raise ReshardError(f"engine rank {self.rank}: refit {job.refit} is still being staged")
 
@@ -458,7 +434,7 @@ class VllmReceiver:
             raise job.error
         return True
 
-    def commit(self, refit: int, *, wait_s: float = 0.0) -> dict[str, Any]:
+    def commit(self, refit: int, *, wait_s: float = 0.0) -> EngineStats:
         """Phase 2 of a two-phase refit: apply staged refit ``refit`` to the
         live model (vLLM's layerwise reload from the staging buffers: a copy
         and a repack per layer). Run it with generation paused. ``wait_s``:
@@ -473,25 +449,10 @@ class VllmReceiver:
             t0 = time.perf_counter()
             update = self._apply(refit, job.stats.touched)
         self._staging = None
-        apply_s = time.perf_counter() - t0
-        self.last_stats = {
-            **job.stats.as_dict(),
-            "apply_seconds": apply_s,
-            "stage_seconds": job.seconds,
-            "refit_seconds": job.seconds + apply_s,
-            "kept_bytes": self.kept_bytes,
-            "staging_bytes": self.staging_bytes,
-            "layers_processed": update.n_processed,
-            "layers_direct": update.n_direct,
-            "buffers_kept_by_engine": update.n_released,
-            "lifecycle_seconds": dict(update.seconds),
-            "loader_tensors": update.n_loaded,
-            "layers_skipped": len(update.skipped),
-            "atomic": True,
-            "two_phase": True,
-            "delta": self.delta,
-        }
-        return self.last_stats
+        stats = self._account(job.stats, update, t0, atomic=True, two_phase=True, stage_seconds=job.seconds)
+        # The whole refit: the stage (while the engine served) and the apply.
+        stats.refit_seconds += job.seconds
+        return stats
 
     @contextlib.contextmanager
     def _applying(self, update: LayerwiseUpdate) -> Iterator[None]:

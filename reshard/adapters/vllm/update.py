@@ -9,7 +9,7 @@ weights of every layer not yet processed.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -175,7 +175,6 @@ class LayerwiseUpdate:
             self.layers[mod_name] = layer
             for p in params:
                 self.layer_of[p] = layer
-        self.tensors = _LazyParams(self)
         self.loader_layers = {self.layer_of[p].name for p in owner.learned.loader_params if p in self.layer_of}
         """Layers a loader tensor writes into: processed once the loader ran."""
         self.n_loaded = 0
@@ -522,23 +521,3 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
 def _attr(modules: Mapping[str, Any], full: str):
     mod, _, name = full.rpartition(".")
     return getattr(modules[mod], name)
-
-
-class _LazyParams(Mapping):
-    """Local name -> parameter data, materializing layers on first use."""
-
-    reshard_lazy = True
-    """Checked tensor by tensor as a refit touches them (materializing them
-    all up front would defeat the layerwise reload)."""
-
-    def __init__(self, update: LayerwiseUpdate) -> None:
-        self.update = update
-
-    def __getitem__(self, key: str):
-        return self.update.param(key)
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self.update.layer_of)
-
-    def __len__(self) -> int:
-        return len(self.update.layer_of)
