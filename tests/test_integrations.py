@@ -38,13 +38,56 @@ def test_trl_options_are_checked():
 
 
 def test_trl_version_is_pinned(monkeypatch):
-    trl = pytest.importorskip("trl")
+    pytest.importorskip("trl")
+    import importlib.metadata
+
     from reshard.integrations.trl import TRL_VERSION, check_trl_version
 
     assert check_trl_version() == TRL_VERSION
-    monkeypatch.setattr(trl, "__version__", "1.17.0")
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: "1.17.0")
     with pytest.raises(ImportError, match=r"TRL 1\.16\.0 .* but TRL 1\.17\.0 is installed: pip install trl==1\.16\.0"):
         check_trl_version()
+
+
+def test_each_integration_checks_its_pin_before_building_a_class(monkeypatch):
+    """The lazy classes are built once, after the framework's version check,
+    under the drop-in's module and their own name."""
+    import importlib.metadata
+
+    from reshard.integrations.framework import LazyClasses, Pinned
+
+    pin = Pinned(
+        module="reshard.integrations.x", framework="X", distribution="x-framework", version="1.0", read="its hooks"
+    )
+    lazy = LazyClasses("reshard.integrations.x", pin)
+    built = []
+
+    @lazy.builds("ReshardThing")
+    def thing() -> type:
+        built.append(1)
+
+        class Local:
+            pass
+
+        return Local
+
+    with pytest.raises(
+        ImportError, match=r"reshard\.integrations\.x needs X 1\.0: pip install --no-deps x-framework==1\.0"
+    ):
+        lazy.getattr("ReshardThing")
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: "1.1" if name == "x-framework" else "")
+    with pytest.raises(ImportError, match=r"written against X 1\.0 \(its hooks\) but X 1\.1 is installed"):
+        thing()
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: "1.0")
+    cls = lazy.getattr("ReshardThing")
+    assert cls is thing() and built == [1]
+    assert (cls.__module__, cls.__name__, cls.__qualname__) == (
+        "reshard.integrations.x",
+        "ReshardThing",
+        "ReshardThing",
+    )
+    with pytest.raises(AttributeError, match=r"module 'reshard\.integrations\.x' has no attribute 'Other'"):
+        lazy.getattr("Other")
 
 
 def test_trl_refuses_a_trainer_that_does_not_build_vllm_generation():
