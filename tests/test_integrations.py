@@ -122,6 +122,10 @@ def test_verl_options_and_misconfigurations_name_the_fix():
 
     with pytest.raises(ValueError, match=r"unknown keys \['adress'\]"):
         VerlOptions.of({"adress": "h:1"})
+    with pytest.raises(ValueError, match=r"\['num_sources'\] are no group settings"):
+        VerlOptions(group={"num_sources": 3})
+    with pytest.raises(ValueError, match="backend must be auto, gloo or nccl"):
+        VerlOptions.of({"group_backend": "mpi"})
     engine = _engine_class()(bucket_size=1 << 20, is_master=True, timeout_s=5)
     assert engine.options.timeout_s == 5
     # verl's own manager passes full tensors: refused, naming the manager to set.
@@ -234,3 +238,106 @@ def test_verl_refuses_a_lora_policy_its_rollout_would_apply_unmerged(lora, refus
             lora_unmerged(cfg, 3)
     else:
         lora_unmerged(cfg, 3)
+
+
+# Every setting a verl user sets in engine_kwargs.reshard, away from its default.
+_VERL_SETTINGS = {
+    "address": "trainer-0:29611",
+    "job": "j",
+    "timeout_s": 12.5,
+    "backend": "gloo",
+    "checksums": True,
+    "max_metadata_bytes": 1 << 20,
+    "shared_memory": True,
+    "export_sources": True,
+    "delta": True,
+    "delta_budget_bytes": 1 << 30,
+}
+
+
+class _Remote:
+    """A Ray actor method's ``.remote`` stand-in: runs the call now, returns an awaitable."""
+
+    def __init__(self, call):
+        self.call = call
+
+    def remote(self, *args, **kwargs):
+        import asyncio
+
+        done = asyncio.get_running_loop().create_future()
+        done.set_result(self.call(*args, **kwargs))
+        return done
+
+
+def test_every_group_setting_reaches_verls_actors_and_vllm_workers(tmp_path):
+    """verl's config, its ``CheckpointEngineConfig``, its registry and
+    manager base class build reshard's backend and manager, as in a verl job
+    (tests/test_verl.py); only Ray's actor handles are stood in. Every
+    ``GroupConfig`` setting of group scope reaches the vLLM workers' config
+    (as vLLM parses the init_info), every group and trainer setting the
+    actors' senders; a new setting reaches them too, or this test names it."""
+    pytest.importorskip("verl")
+    pytest.importorskip("vllm")
+    import asyncio
+
+    import torch
+    from verl.checkpoint_engine import CheckpointEngineRegistry
+    from verl.utils.config import omega_conf_to_dataclass
+    from verl.utils.import_utils import import_external_libs, load_class_from_fqn
+
+    from reshard.adapters.vllm.backend import ReshardEngine
+    from reshard.integrations.verl import GROUP_SETTINGS
+    from reshard.transport.config import GROUP, TRAINER, scope_fields, settings
+
+    from .verl_support import RESHARD, verl_config
+
+    derived = {"num_sources": 2, "num_destinations": 3, "generation": 1}
+    assert set(_VERL_SETTINGS) | set(derived) == set(scope_fields(GROUP, TRAINER)), "a new setting needs a sample here"
+    assert set(GROUP_SETTINGS.values()) == set(_VERL_SETTINGS) - {"address", "job", "timeout_s"}
+    # As a user writes them on verl's command line (backend as group_backend).
+    key = {setting: k for k, setting in GROUP_SETTINGS.items()}
+    given = {key.get(k, k): v for k, v in {**_VERL_SETTINGS, "atomic": True}.items()}
+    reshard_kwargs = [
+        f"+actor_rollout_ref.rollout.checkpoint_engine.engine_kwargs.reshard.{k}="
+        + (str(v).lower() if isinstance(v, bool) else f"'{v}'" if isinstance(v, str) else str(v))
+        for k, v in given.items()
+    ]
+    cfg = verl_config(str(tmp_path), RESHARD + reshard_kwargs)
+    ce = omega_conf_to_dataclass(cfg.actor_rollout_ref.rollout.checkpoint_engine)
+
+    class Actor:
+        """An actor worker as verl's ActorRolloutRefWorker.init_model leaves it."""
+
+        def __init__(self, rank):
+            self.rank = rank
+            self.actor = SimpleNamespace(engine=SimpleNamespace(module=torch.nn.Linear(4, 4)))
+            import_external_libs(ce.custom_backend_module or None)
+            self.checkpoint_engine = CheckpointEngineRegistry.new(
+                ce.backend, is_master=rank == 0, bucket_size=1 << 20, **ce.engine_kwargs.get(ce.backend, {})
+            )
+            self.__ray_call__ = _Remote(lambda fn, *args: fn(self, *args))
+
+    infos = []
+    server = SimpleNamespace(collective_rpc=_Remote(lambda method, kwargs: infos.append((method, kwargs["init_info"]))))
+    replica = SimpleNamespace(
+        replica_rank=0, world_size=3, servers=[server], config=SimpleNamespace(data_parallel_size=1)
+    )
+    actors = [Actor(0), Actor(1)]
+    manager = load_class_from_fqn(cfg.actor_rollout_ref.rollout.checkpoint_manager_class, "manager")(
+        config=ce, actor_wg=SimpleNamespace(workers=actors), replicas=[replica]
+    )
+    try:
+        asyncio.run(manager._join())
+        expected = {**_VERL_SETTINGS, **derived}
+        for a in actors:
+            sender = a.checkpoint_engine.sender
+            assert sender.rank == a.rank
+            assert settings(sender.session.config, GROUP, TRAINER) == expected
+        ((method, info),) = infos
+        assert method == "init_weight_transfer_engine"
+        spec = ReshardEngine.init_info_cls(**info).spec
+        assert settings(spec.config(), GROUP) == {k: expected[k] for k in scope_fields(GROUP)}
+        assert (spec.engine_offset, spec.atomic) == (0, True)
+    finally:
+        for a in actors:
+            a.checkpoint_engine.close()
