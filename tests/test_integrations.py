@@ -240,21 +240,6 @@ def test_verl_refuses_a_lora_policy_its_rollout_would_apply_unmerged(lora, refus
         lora_unmerged(cfg, 3)
 
 
-# Every setting a verl user sets in engine_kwargs.reshard, away from its default.
-_VERL_SETTINGS = {
-    "address": "trainer-0:29611",
-    "job": "j",
-    "timeout_s": 12.5,
-    "backend": "gloo",
-    "checksums": True,
-    "max_metadata_bytes": 1 << 20,
-    "shared_memory": True,
-    "export_sources": True,
-    "delta": True,
-    "delta_budget_bytes": 1 << 30,
-}
-
-
 class _Remote:
     """A Ray actor method's ``.remote`` stand-in: runs the call now, returns an awaitable."""
 
@@ -275,7 +260,8 @@ def test_every_group_setting_reaches_verls_actors_and_vllm_workers(tmp_path):
     (tests/test_verl.py); only Ray's actor handles are stood in. Every
     ``GroupConfig`` setting of group scope reaches the vLLM workers' config
     (as vLLM parses the init_info), every group and trainer setting the
-    actors' senders; a new setting reaches them too, or this test names it."""
+    actors' senders (a new setting joins ``NON_DEFAULT_SETTINGS``, which
+    tests/test_group_settings.py holds to ``GroupConfig``)."""
     pytest.importorskip("verl")
     pytest.importorskip("vllm")
     import asyncio
@@ -289,14 +275,17 @@ def test_every_group_setting_reaches_verls_actors_and_vllm_workers(tmp_path):
     from reshard.integrations.verl import GROUP_SETTINGS
     from reshard.transport.config import GROUP, TRAINER, scope_fields, settings
 
+    from .support import NON_DEFAULT_SETTINGS
     from .verl_support import RESHARD, verl_config
 
+    # The manager derives these (2 actors, a replica of 3 workers, its first
+    # join); a user sets every other one, away from its default.
     derived = {"num_sources": 2, "num_destinations": 3, "generation": 1}
-    assert set(_VERL_SETTINGS) | set(derived) == set(scope_fields(GROUP, TRAINER)), "a new setting needs a sample here"
-    assert set(GROUP_SETTINGS.values()) == set(_VERL_SETTINGS) - {"address", "job", "timeout_s"}
+    user = {k: v for k, v in NON_DEFAULT_SETTINGS.items() if k not in derived}
+    assert set(GROUP_SETTINGS.values()) == set(user) - {"address", "job", "timeout_s"}
     # As a user writes them on verl's command line (backend as group_backend).
     key = {setting: k for k, setting in GROUP_SETTINGS.items()}
-    given = {key.get(k, k): v for k, v in {**_VERL_SETTINGS, "atomic": True}.items()}
+    given = {key.get(k, k): v for k, v in {**user, "atomic": True}.items()}
     reshard_kwargs = [
         f"+actor_rollout_ref.rollout.checkpoint_engine.engine_kwargs.reshard.{k}="
         + (str(v).lower() if isinstance(v, bool) else f"'{v}'" if isinstance(v, str) else str(v))
@@ -328,7 +317,7 @@ def test_every_group_setting_reaches_verls_actors_and_vllm_workers(tmp_path):
     )
     try:
         asyncio.run(manager._join())
-        expected = {**_VERL_SETTINGS, **derived}
+        expected = {**user, **derived}
         for a in actors:
             sender = a.checkpoint_engine.sender
             assert sender.rank == a.rank
