@@ -1,6 +1,6 @@
 """Helpers for the Megatron-Core tests: build a tiny GPTModel on CPU (gloo,
 local spec) and fill it from a Hugging Face checkpoint by a reference
-conversion written independently of :mod:`reshard.adapters.megatron`.
+conversion written independently of :mod:`reshard.sender.megatron`.
 
 The reference conversion follows Megatron-Bridge's published rules
 (checked by a forward pass against transformers in our research notes):

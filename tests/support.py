@@ -35,6 +35,25 @@ if TYPE_CHECKING:
 
 T = TypeVar("T")
 
+NON_DEFAULT_SETTINGS: dict[str, Any] = dict(
+    address="trainer-0:29611",
+    num_sources=3,
+    num_destinations=5,
+    job="j",
+    generation=4,
+    timeout_s=12.5,
+    backend="gloo",
+    checksums=True,
+    max_metadata_bytes=1 << 20,
+    shared_memory=True,
+    export_sources=True,
+    delta=True,
+    delta_budget_bytes=1 << 30,
+)
+"""Every ``GroupConfig`` setting of scope ``group`` or ``trainer``, away
+from its default (``tests/test_group_settings.py`` holds it to the config):
+what the tests that carry settings to engines and frameworks send."""
+
 HANG_S = 2 * GROUP_TIMEOUT_S
 """The budget of a wait or join that only a hang exhausts: twice the group
 timeout, so a rank that fails by its own timeout reports that first."""

@@ -16,30 +16,15 @@ from reshard.testing.ports import free_port
 from reshard.transport.config import GROUP, TRAINER, GroupConfig, format_address, parse_address, scope_fields, settings
 from reshard.transport.store import connect_store, serve_store
 
+from .support import NON_DEFAULT_SETTINGS
+
 _CONFIG_TYPES = typing.get_type_hints(GroupConfig)
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(GroupConfig)}
 
-# A config with every shared setting away from its default.
-_NON_DEFAULT = dict(
-    address="trainer-0:29611",
-    num_sources=3,
-    num_destinations=5,
-    job="j",
-    generation=4,
-    timeout_s=12.5,
-    backend="gloo",
-    checksums=True,
-    max_metadata_bytes=1 << 20,
-    shared_memory=True,
-    export_sources=True,
-    delta=True,
-    delta_budget_bytes=1 << 30,
-)
-
 
 def test_every_shared_setting_is_set_in_the_sample():
-    assert set(_NON_DEFAULT) == set(scope_fields(GROUP, TRAINER))
-    for name, value in _NON_DEFAULT.items():
+    assert set(NON_DEFAULT_SETTINGS) == set(scope_fields(GROUP, TRAINER))
+    for name, value in NON_DEFAULT_SETTINGS.items():
         assert value != _DEFAULTS[name], name
 
 
@@ -58,7 +43,7 @@ def test_the_spec_declares_the_group_settings_with_their_types_and_defaults():
 
 
 def test_a_config_survives_the_trip_to_an_engine_worker():
-    cfg = GroupConfig(**_NON_DEFAULT, token="secret", domain="rack-1")
+    cfg = GroupConfig(**NON_DEFAULT_SETTINGS, token="secret", domain="rack-1")
     spec = GroupSpec.parse(GroupSpec.of(cfg, engine_offset=2, budget_bytes=7, atomic=True).to_json())
     worker = spec.config()
     assert settings(worker, GROUP) == settings(cfg, GROUP)
@@ -81,10 +66,10 @@ def test_vllm_init_infos_carry_every_setting():
         assert hints[mine] == _CONFIG_TYPES[name], name
         if _DEFAULTS[name] is not dataclasses.MISSING:
             assert info_fields[mine].default == _DEFAULTS[name], name
-    values = {("group_backend" if k == "backend" else k): v for k, v in _NON_DEFAULT.items()}
+    values = {("group_backend" if k == "backend" else k): v for k, v in NON_DEFAULT_SETTINGS.items()}
     info = ReshardTrainerInitInfo(rank=0, **values)
     cfg = info.group_config()
-    assert settings(cfg, GROUP, TRAINER) == _NON_DEFAULT
+    assert settings(cfg, GROUP, TRAINER) == NON_DEFAULT_SETTINGS
     assert cfg.host_store is False
 
     # Worker side: what the trainer's driver sends, as vLLM parses it.

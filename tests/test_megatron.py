@@ -18,9 +18,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from reshard.adapters.megatron import MegatronRanks, checkpoint_recipe, megatron_pieces
 from reshard.plan.box import Box, chunk_range, merge_boxes
 from reshard.plan.layout import Slot, TensorMeta
+from reshard.sender.megatron import MegatronRanks, checkpoint_recipe, megatron_pieces
 
 from . import procs
 from .megatron_support import hf_config

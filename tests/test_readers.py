@@ -1,7 +1,12 @@
-"""Trainer readers are one registration seam: a reader registered once is
-used by ``Sender(model)`` to unwrap, read or refuse, and named in errors."""
+"""Trainer readers are one registration seam: the built-ins are listed once,
+in a documented order, a registered reader is used by ``Sender(model)`` to
+unwrap, read or refuse, and named in errors; a name is registered once, and
+an object two readers claim is refused naming both."""
 
 from __future__ import annotations
+
+import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -9,8 +14,12 @@ import torch
 from reshard.plan.box import Box
 from reshard.plan.layout import TensorMeta
 from reshard.plan.specs import PieceSpec
-from reshard.sender.readers import TrainerReader, known_trainers, readers, register_reader
-from reshard.sender.trainers import describe_trainer
+from reshard.sender import deepspeed, fsdp1, lora_adapter, megatron, peft
+from reshard.sender.held import Held
+from reshard.sender.readers import Description, TrainerReader
+from reshard.sender.trainers import BUILTIN, describe_trainer, known_trainers, readers, register_reader
+
+DOCS = Path(__file__).resolve().parents[1] / "docs"
 
 
 class Boxed(torch.nn.Module):
@@ -28,32 +37,62 @@ class Owned:
         self.t = t
 
 
+def _boxed_unwrap(o):
+    return o.inner if isinstance(o, Boxed) else None
+
+
+def _owned(source, ctx):
+    if not isinstance(source, Owned):
+        return None
+    meta = TensorMeta("w", tuple(source.t.shape), "float32")
+    return Description(
+        [PieceSpec(meta, Box((0, 0), tuple(source.t.shape)), "w", tuple(source.t.shape))], [], {"w": source.t}
+    )
+
+
 @pytest.fixture
 def registered():
     """Register readers for the test only."""
-    before = readers()
-    added: list[TrainerReader] = []
+    from reshard.sender import trainers
 
-    def add(reader: TrainerReader) -> TrainerReader:
-        added.append(register_reader(reader))
-        return reader
-
-    yield add
-    import reshard.sender.readers as r
-
-    r._READERS[:] = list(before)
+    before = list(trainers._REGISTERED)
+    yield register_reader
+    trainers._REGISTERED[:] = before
 
 
-def test_the_builtin_readers_are_registered_and_named_in_errors():
-    names = [r.name for r in readers()]
-    for trainer in ("DeepSpeed", "FSDP1", "DistributedDataParallel", "torch.compile", "Megatron"):
-        assert any(trainer in n for n in names), trainer
-    assert "FSDP1 (FullyShardedDataParallel)" in known_trainers()
+def test_the_builtin_readers_are_listed_once_in_their_documented_order():
+    """The trainers that keep the weights first (wrappers and storage), then
+    the sources read whole; docs/trainers.md lists them in this order."""
+    names = [r.name for r in BUILTIN]
+    assert names == [
+        deepspeed.READER.name,
+        fsdp1.READER.name,
+        "DistributedDataParallel",
+        "torch.compile",
+        megatron.READER.name,
+        peft.READER.name,
+        lora_adapter.READER.name,
+    ]
+    assert len(set(names)) == len(names)
+    assert readers()[: len(BUILTIN)] == BUILTIN
+    text = (DOCS / "trainers.md").read_text()
+    section = text.split("## Built-in readers", 1)[1].split("\n## ", 1)[0]
+    assert re.findall(r"^\d+\. `([^`]+)`", section, flags=re.M) == names
+    assert known_trainers() == ", ".join([*names, "FSDP2 / DTensor", "plain tensors"])
+
+
+def test_the_megatron_reader_is_reached_by_the_names_users_import():
+    import reshard.adapters.megatron as front
+
+    for name in megatron.__all__:
+        if name != "READER":
+            assert getattr(front, name) is getattr(megatron, name), name
+    assert front.megatron_sender.__module__ == "reshard.adapters.megatron"
 
 
 def test_a_registered_unwrap_is_read_through(registered):
     model = torch.nn.Linear(3, 2)
-    registered(TrainerReader(name="Boxed", unwrap=lambda o: o.inner if isinstance(o, Boxed) else None))
+    registered(TrainerReader(name="Boxed", unwrap=_boxed_unwrap))
     pieces, grids, local = describe_trainer(Boxed(model), rank=0, rename=lambda n: n)
     assert not grids
     assert sorted(p.tensor.name for p in pieces) == ["bias", "weight"]
@@ -62,16 +101,22 @@ def test_a_registered_unwrap_is_read_through(registered):
 
 def test_a_registered_describe_owns_its_source(registered):
     t = torch.arange(6.0).view(2, 3)
-    meta = TensorMeta("w", (2, 3), "float32")
+    registered(TrainerReader(name="Owned", describe=_owned))
+    described = describe_trainer(Owned(t), rank=3)
+    assert isinstance(described, Description)
+    assert [p.tensor for p in described.pieces] == [TensorMeta("w", (2, 3), "float32")]
+    assert described.tensors["w"] is t
 
-    def describe(source, ctx):
-        if not isinstance(source, Owned):
-            return None
-        return [PieceSpec(meta, Box((0, 0), (2, 3)), "w", (2, 3))], [], {"w": source.t}
 
-    registered(TrainerReader(name="Owned", describe=describe))
-    pieces, _, local = describe_trainer(Owned(t), rank=3)
-    assert [p.tensor for p in pieces] == [meta] and local["w"] is t
+def test_a_describe_that_returns_no_description_is_refused_by_name(registered):
+    def loose(source, ctx):
+        return None if not isinstance(source, Owned) else ([], [], {"w": source.t})
+
+    registered(TrainerReader(name="Loose", describe=loose))
+    with pytest.raises(
+        TypeError, match=r"rank 2: trainer reader 'Loose' described Owned as a tuple, not a .*Description"
+    ):
+        describe_trainer(Owned(torch.zeros(1)), rank=2)
 
 
 def test_a_registered_refusal_names_the_tensor_the_wrapper_and_the_rank(registered):
@@ -81,7 +126,7 @@ def test_a_registered_refusal_names_the_tensor_the_wrapper_and_the_rank(register
     def refuse(name, t, ctx):
         return f"rank {ctx.rank}: {name!r} of {ctx.where} is odd" if getattr(t, "odd", False) else None
 
-    registered(TrainerReader(name="Boxed", unwrap=lambda o: o.inner if isinstance(o, Boxed) else None))
+    registered(TrainerReader(name="Boxed", unwrap=_boxed_unwrap))
     registered(TrainerReader(name="Odd", refuse=refuse))
     with pytest.raises(ValueError, match=r"rank 5: 'weight' of Boxed > Linear is odd"):
         describe_trainer(Boxed(model), rank=5)
@@ -90,11 +135,72 @@ def test_a_registered_refusal_names_the_tensor_the_wrapper_and_the_rank(register
 def test_a_megatron_shard_passed_as_a_module_points_to_its_reader():
     model = torch.nn.Linear(4, 4)
     model.weight.tensor_model_parallel = True  # type: ignore[attr-defined]
-    with pytest.raises(ValueError, match="MegatronSource"):
+    with pytest.raises(
+        ValueError, match=r"rank 0: 'weight' of Linear .*pass Sender a reshard\.sender\.megatron\.MegatronSource"
+    ):
         describe_trainer(model, rank=0)
 
 
-def test_registering_a_reader_again_replaces_it(registered):
+def test_a_name_is_registered_once(registered):
     registered(TrainerReader(name="Twice", refuse=lambda *_: None))
-    registered(TrainerReader(name="Twice"))
+    with pytest.raises(ValueError, match="'Twice' is already registered; give the new one another name"):
+        registered(TrainerReader(name="Twice"))
+    with pytest.raises(ValueError, match=r"'torch\.compile' is already registered \(a built-in\)"):
+        registered(TrainerReader(name="torch.compile"))
     assert [r.name for r in readers()].count("Twice") == 1
+
+
+def test_registered_readers_come_after_the_builtins_in_registration_order(registered):
+    a = registered(TrainerReader(name="A"))
+    b = registered(TrainerReader(name="B"))
+    assert readers() == (*BUILTIN, a, b)
+    assert known_trainers().endswith("A, B, FSDP2 / DTensor, plain tensors")
+
+
+def test_a_source_two_readers_describe_is_refused_naming_both(registered):
+    registered(TrainerReader(name="Owned", describe=_owned))
+    registered(TrainerReader(name="Owned too", describe=_owned))
+    with pytest.raises(
+        TypeError, match=r"rank 4: the source Owned is claimed by 2 trainer readers, 'Owned' and 'Owned too'"
+    ):
+        describe_trainer(Owned(torch.zeros(2, 2)), rank=4)
+
+
+def test_a_wrapper_two_readers_unwrap_is_refused_naming_both(registered):
+    registered(TrainerReader(name="Boxed", unwrap=_boxed_unwrap))
+    registered(TrainerReader(name="Also boxed", unwrap=_boxed_unwrap))
+    with pytest.raises(
+        TypeError, match=r"rank 1: the wrapper Boxed is claimed by 2 trainer readers, 'Boxed' and 'Also boxed'"
+    ):
+        describe_trainer(Boxed(torch.nn.Linear(2, 2)), rank=1)
+
+
+def _whole(name, t, ctx):
+    return [Held(name, tuple(t.shape), Box((0,) * t.dim(), tuple(t.shape)), t.detach())] if t.dim() == 2 else None
+
+
+def test_a_tensor_two_readers_read_is_refused_naming_both(registered):
+    registered(TrainerReader(name="Mine", tensor=_whole))
+    registered(TrainerReader(name="Also mine", tensor=_whole))
+    with pytest.raises(
+        TypeError,
+        match=r"rank 6: 'weight' of Linear \(Parameter, shape \[2, 3\]\) is claimed by 2 trainer readers, "
+        r"'Mine' and 'Also mine'",
+    ):
+        describe_trainer(torch.nn.Linear(3, 2), rank=6)
+
+
+def test_a_tensor_a_module_reader_and_a_tensor_reader_claim_is_refused_naming_both(registered):
+    def units(model, ctx):
+        yield [], {id(model.weight)}
+
+    registered(TrainerReader(name="Units", modules=units))
+    registered(TrainerReader(name="Mine", tensor=_whole))
+    with pytest.raises(TypeError, match=r"rank 0: 'weight' of Linear \(Parameter.* 'Units' and 'Mine'"):
+        describe_trainer(torch.nn.Linear(3, 2), rank=0)
+    from reshard.sender import trainers
+
+    trainers._REGISTERED.pop()
+    registered(TrainerReader(name="Units too", modules=units))
+    with pytest.raises(TypeError, match=r"rank 0: 'weight' of Linear \(Parameter.* 'Units' and 'Units too'"):
+        describe_trainer(torch.nn.Linear(3, 2), rank=0)

@@ -41,25 +41,9 @@ ACTORS = 2
 REPO = Path(__file__).resolve().parents[1]
 
 
-def _config(path: str, overrides: list[str]):
-    import verl
-    from hydra import compose, initialize_config_dir
-
-    with initialize_config_dir(
-        config_dir=os.path.join(os.path.dirname(verl.__file__), "trainer/config"), version_base=None
-    ):
-        return compose(config_name="ppo_trainer", overrides=[f"actor_rollout_ref.model.path={path}", *overrides])
-
-
-# What a user adds to verl's config (docs/integrations.md), then what this
-# CPU machine needs (no sleep mode, eager, small, float32).
-RESHARD = [
-    "actor_rollout_ref.rollout.checkpoint_engine.backend=reshard",
-    "actor_rollout_ref.rollout.checkpoint_engine.custom_backend_module=reshard.integrations.verl_backend",
-    "+actor_rollout_ref.rollout.checkpoint_manager_class=reshard.integrations.verl.ReshardCheckpointManager",
-    "+actor_rollout_ref.rollout.engine_kwargs.vllm.weight_transfer_config={backend:reshard}",
-    f"+actor_rollout_ref.rollout.checkpoint_engine.engine_kwargs.reshard.timeout_s={procs.GROUP_TIMEOUT_S}",
-]
+# What a user adds to verl's config (verl_support.RESHARD, with a timeout),
+# then what this CPU machine needs (no sleep mode, eager, small, float32).
+TIMEOUT = [f"+actor_rollout_ref.rollout.checkpoint_engine.engine_kwargs.reshard.timeout_s={procs.GROUP_TIMEOUT_S}"]
 CPU = [
     "actor_rollout_ref.rollout.name=vllm",
     f"actor_rollout_ref.rollout.tensor_model_parallel_size={TP}",
@@ -84,7 +68,7 @@ def run(tmp_path_factory):
     from verl.workers.config import HFModelConfig
     from verl.workers.rollout.replica import get_rollout_replica_class
 
-    from .verl_support import FakeActorWorker, dump_worker_stats, fresh_greedy_tp, vllm_dist_shim
+    from .verl_support import RESHARD, FakeActorWorker, dump_worker_stats, fresh_greedy_tp, verl_config, vllm_dist_shim
     from .vllm_support import server_greedy
 
     root = tmp_path_factory.mktemp("verl")
@@ -92,7 +76,7 @@ def run(tmp_path_factory):
     shim = str(vllm_dist_shim(root / "shim"))
     # For this process's own verl imports; taken off the path again below.
     sys.path.insert(0, shim)
-    cfg = _config(v1, RESHARD + CPU)
+    cfg = verl_config(v1, RESHARD + TIMEOUT + CPU)
     env = {
         "PYTHONPATH": os.pathsep.join([str(REPO), shim, os.environ.get("PYTHONPATH", "")]),
         "VLLM_CPU_KVCACHE_SPACE": "1",

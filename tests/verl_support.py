@@ -32,7 +32,26 @@ from typing import Any
 from verl.single_controller.base import Worker
 from verl.single_controller.base.decorator import Dispatch, register
 
-__all__ = ["FakeActorWorker", "dump_worker_stats", "vllm_dist_shim"]
+__all__ = ["RESHARD", "FakeActorWorker", "dump_worker_stats", "verl_config", "vllm_dist_shim"]
+
+# What a user adds to verl's config (docs/integrations.md).
+RESHARD = [
+    "actor_rollout_ref.rollout.checkpoint_engine.backend=reshard",
+    "actor_rollout_ref.rollout.checkpoint_engine.custom_backend_module=reshard.integrations.verl_backend",
+    "+actor_rollout_ref.rollout.checkpoint_manager_class=reshard.integrations.verl.ReshardCheckpointManager",
+    "+actor_rollout_ref.rollout.engine_kwargs.vllm.weight_transfer_config={backend:reshard}",
+]
+
+
+def verl_config(path: str, overrides: list[str]) -> Any:
+    """verl's own PPO trainer config (its hydra files) for the model at ``path``, with ``overrides``."""
+    import verl
+    from hydra import compose, initialize_config_dir
+
+    with initialize_config_dir(
+        config_dir=os.path.join(os.path.dirname(verl.__file__), "trainer/config"), version_base=None
+    ):
+        return compose(config_name="ppo_trainer", overrides=[f"actor_rollout_ref.model.path={path}", *overrides])
 
 
 def vllm_dist_shim(directory: Path) -> Path:

@@ -17,7 +17,9 @@ This layer sits between the adapters and the tools. The frameworks (and
 vLLM) are imported lazily, inside functions, so ``import
 reshard.integrations`` works without any of them; each module checks the
 framework version it was written against and names it when another is
-installed. See ``docs/integrations.md``.
+installed, and builds its subclasses of the framework's classes on first
+use, both through :mod:`reshard.integrations.framework`. See
+``docs/integrations.md``.
 """
 
 __all__: list[str] = []

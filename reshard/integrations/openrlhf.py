@@ -43,6 +43,7 @@ from collections.abc import Callable
 from typing import Any
 
 from reshard.errors import ReshardError
+from reshard.integrations.framework import LazyClasses, Pinned
 from reshard.transport.config import format_address
 
 __all__ = [
@@ -78,61 +79,47 @@ PATCHED = (
 WORKER_WRAP = "reshard.integrations.openrlhf.ReshardWorkerWrap"
 
 
+_PIN = Pinned(
+    module=__name__,
+    framework="OpenRLHF",
+    distribution="openrlhf",
+    version=OPENRLHF_VERSION,
+    read="it patches " + ", ".join(f"{m}.{n}" for m, n in PATCHED),
+)
+_LAZY = LazyClasses(__name__, _PIN)
+
+
 def check_openrlhf_version() -> str:
     """The installed OpenRLHF version, or an error naming the one this integration needs."""
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        found = version("openrlhf")
-    except PackageNotFoundError as e:
-        raise ImportError(f"reshard.integrations.openrlhf needs OpenRLHF {OPENRLHF_VERSION}") from e
-    if found != OPENRLHF_VERSION:
-        raise ImportError(
-            f"reshard.integrations.openrlhf patches OpenRLHF {OPENRLHF_VERSION} ("
-            + ", ".join(f"{m}.{n}" for m, n in PATCHED)
-            + f") but OpenRLHF {found} is installed: pip install --no-deps openrlhf=={OPENRLHF_VERSION}"
-        )
-    return found
+    return _PIN.check()
 
 
-_CLASSES: dict[str, Any] = {}
-
-
+@_LAZY.builds("ReshardWorkerWrap")
 def _worker_wrap_class() -> type:
-    cls = _CLASSES.get("ReshardWorkerWrap")
-    if cls is None:
-        from openrlhf.trainer.ray.vllm_worker_wrap import WorkerWrap
+    from openrlhf.trainer.ray.vllm_worker_wrap import WorkerWrap
 
-        from reshard.adapters.vllm.extension import ReshardWorkerExtension
+    from reshard.adapters.vllm.extension import ReshardWorkerExtension
 
-        class ReshardWorkerWrap(WorkerWrap, ReshardWorkerExtension):  # type: ignore[misc, valid-type]
-            """OpenRLHF's vLLM worker extension with reshard's methods beside it."""
+    class ReshardWorkerWrap(WorkerWrap, ReshardWorkerExtension):  # type: ignore[misc, valid-type]
+        """OpenRLHF's vLLM worker extension with reshard's methods beside it."""
 
-        ReshardWorkerWrap.__module__ = __name__
-        ReshardWorkerWrap.__qualname__ = "ReshardWorkerWrap"
-        cls = _CLASSES["ReshardWorkerWrap"] = ReshardWorkerWrap
-    return cls
+    return ReshardWorkerWrap
 
 
+@_LAZY.builds("ReshardRolloutRayActor")
 def _rollout_actor_class() -> type:
-    cls = _CLASSES.get("ReshardRolloutRayActor")
-    if cls is None:
-        check_openrlhf_version()
-        from openrlhf.trainer.ray import vllm_engine
+    from openrlhf.trainer.ray import vllm_engine
 
-        base = _original_rollout_actor(vllm_engine)
+    base = _original_rollout_actor(vllm_engine)
 
-        class ReshardRolloutRayActor(base):  # type: ignore[misc, valid-type]
-            """OpenRLHF's ``RolloutRayActor`` plus a pass-through to ``collective_rpc``."""
+    class ReshardRolloutRayActor(base):  # type: ignore[misc, valid-type]
+        """OpenRLHF's ``RolloutRayActor`` plus a pass-through to ``collective_rpc``."""
 
-            async def reshard_rpc(self, method: str, *args: Any) -> list[Any]:
-                """Every worker's reply to ``method(*args)`` (reshard's extension methods)."""
-                return await self.llm.collective_rpc(method, args=args)
+        async def reshard_rpc(self, method: str, *args: Any) -> list[Any]:
+            """Every worker's reply to ``method(*args)`` (reshard's extension methods)."""
+            return await self.llm.collective_rpc(method, args=args)
 
-        ReshardRolloutRayActor.__module__ = __name__
-        ReshardRolloutRayActor.__qualname__ = "ReshardRolloutRayActor"
-        cls = _CLASSES["ReshardRolloutRayActor"] = ReshardRolloutRayActor
-    return cls
+    return ReshardRolloutRayActor
 
 
 def _original_rollout_actor(vllm_engine: Any) -> type:
@@ -395,12 +382,9 @@ def main(argv: list[str] | None = None) -> None:
     runpy.run_module("openrlhf.cli.train_ppo_ray", run_name="__main__")
 
 
-def __getattr__(name: str) -> Any:
-    if name == "ReshardWorkerWrap":
-        return _worker_wrap_class()
-    if name == "ReshardRolloutRayActor":
-        return _rollout_actor_class()
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+# ``ReshardWorkerWrap`` and ``ReshardRolloutRayActor`` import OpenRLHF when
+# first asked for (vLLM's worker extension and Ray's actors ask by name).
+__getattr__ = _LAZY.getattr
 
 
 if __name__ == "__main__":

@@ -56,6 +56,7 @@ from typing import TYPE_CHECKING, Any
 from reshard.adapters.core.spec import GroupSpec
 from reshard.adapters.vllm.driver import HttpEngine, VllmEngines, flush_prefix_cache, init_workers, pull_workers
 from reshard.errors import ReshardError
+from reshard.integrations.framework import LazyClasses, Pinned
 from reshard.sender import Sender
 from reshard.transport.config import format_address
 from reshard.transport.group import GroupConfig
@@ -93,20 +94,20 @@ EXTENSION = "reshard.adapters.vllm.ReshardWorkerExtension"
 """The vLLM worker extension the engines run (``--worker-extension-cls``)."""
 
 
+_PIN = Pinned(
+    module=__name__,
+    framework="TRL",
+    distribution="trl",
+    version=TRL_VERSION,
+    read="VLLMGeneration, its _init_vllm and sync_weights, the trainers' module-level VLLMGeneration name",
+    no_deps=False,
+)
+_LAZY = LazyClasses(__name__, _PIN)
+
+
 def check_trl_version() -> str:
     """The installed TRL version, or an error naming the one this integration needs."""
-    try:
-        import trl
-    except ImportError as e:
-        raise ImportError(f"reshard.integrations.trl needs TRL {TRL_VERSION} (pip install trl=={TRL_VERSION})") from e
-    found = getattr(trl, "__version__", "unknown")
-    if found != TRL_VERSION:
-        raise ImportError(
-            f"reshard.integrations.trl was written against TRL {TRL_VERSION} (VLLMGeneration, its _init_vllm and "
-            f"sync_weights, the trainers' module-level VLLMGeneration name) but TRL {found} is installed: "
-            f"pip install trl=={TRL_VERSION}"
-        )
-    return found
+    return _PIN.check()
 
 
 @dataclass(kw_only=True, slots=True)
@@ -348,15 +349,9 @@ def _swapped(module: Any, name: str, value: Any) -> Iterator[None]:
             setattr(module, name, original)
 
 
-_CLASSES: dict[str, Any] = {}
-
-
+@_LAZY.builds("ReshardVLLMGeneration")
 def _generation_class() -> type:
-    """:class:`ReshardVLLMGeneration`, a subclass of TRL's ``VLLMGeneration`` (built once)."""
-    cls = _CLASSES.get("ReshardVLLMGeneration")
-    if cls is not None:
-        return cls
-    check_trl_version()
+    """:class:`ReshardVLLMGeneration`, a subclass of TRL's ``VLLMGeneration``."""
     from trl.generation import vllm_generation as tvg
 
     class ReshardVLLMGeneration(tvg.VLLMGeneration):  # type: ignore[misc, valid-type]
@@ -401,9 +396,6 @@ def _generation_class() -> type:
                 self._llm_weights_sleeping = False
             self.reshard.sync()
 
-    ReshardVLLMGeneration.__module__ = __name__
-    ReshardVLLMGeneration.__qualname__ = "ReshardVLLMGeneration"
-    _CLASSES["ReshardVLLMGeneration"] = ReshardVLLMGeneration
     return ReshardVLLMGeneration
 
 
@@ -505,18 +497,20 @@ def with_reshard(trainer_cls: type) -> type:
     return Trainer
 
 
-def __getattr__(name: str) -> Any:
-    """``ReshardGRPOTrainer``, ``ReshardRLOOTrainer`` and
-    ``ReshardVLLMGeneration`` import TRL when first asked for."""
-    if name in _CLASSES:
-        return _CLASSES[name]
-    if name == "ReshardVLLMGeneration":
-        return _generation_class()
-    if name in ("ReshardGRPOTrainer", "ReshardRLOOTrainer"):
-        check_trl_version()
-        import trl
+@_LAZY.builds("ReshardGRPOTrainer")
+def _grpo_trainer() -> type:
+    import trl
 
-        base: type = trl.GRPOTrainer if name == "ReshardGRPOTrainer" else trl.RLOOTrainer
-        _CLASSES[name] = with_reshard(base)
-        return _CLASSES[name]
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return with_reshard(trl.GRPOTrainer)
+
+
+@_LAZY.builds("ReshardRLOOTrainer")
+def _rloo_trainer() -> type:
+    import trl
+
+    return with_reshard(trl.RLOOTrainer)
+
+
+# ``ReshardGRPOTrainer``, ``ReshardRLOOTrainer`` and ``ReshardVLLMGeneration``
+# import TRL when first asked for.
+__getattr__ = _LAZY.getattr

@@ -38,17 +38,20 @@ prefix caches, restore the KV cache, resume generation.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import logging
 import socket
-from dataclasses import dataclass
 from typing import Any
 
+from reshard.adapters.core.spec import GroupSpec
 from reshard.errors import ReshardError
-from reshard.transport.config import format_address
+from reshard.integrations.framework import LazyClasses, Pinned
+from reshard.transport.config import GROUP, TRAINER, GroupConfig, format_address, scope_fields, settings
 
 __all__ = [
     "BACKEND",
+    "GROUP_SETTINGS",
     "VERL_VERSION",
     "ReshardCheckpointEngine",
     "ReshardCheckpointManager",
@@ -81,28 +84,49 @@ _NEEDS_MANAGER = (
 )
 
 
+_PIN = Pinned(
+    module=__name__,
+    framework="verl",
+    distribution="verl",
+    version=VERL_VERSION,
+    read="CheckpointEngineRegistry, CheckpointEngineManager.update_weights, the vLLM server actors' collective_rpc",
+)
+_LAZY = LazyClasses(__name__, _PIN)
+
+
 def check_verl_version() -> str:
     """The installed verl version, or an error naming the one this integration needs."""
-    try:
-        import verl
-    except ImportError as e:
-        raise ImportError(
-            f"reshard.integrations.verl needs verl {VERL_VERSION} (pip install --no-deps verl=={VERL_VERSION}; "
-            "see scripts/frameworks_setup.sh)"
-        ) from e
-    found = getattr(verl, "__version__", "unknown")
-    if found != VERL_VERSION:
-        raise ImportError(
-            f"reshard.integrations.verl was written against verl {VERL_VERSION} (CheckpointEngineRegistry, "
-            f"CheckpointEngineManager.update_weights, the vLLM server actors' collective_rpc) but verl {found} "
-            f"is installed: pip install --no-deps verl=={VERL_VERSION}"
-        )
-    return found
+    return _PIN.check()
 
 
-@dataclass(kw_only=True, slots=True)
+_DERIVED = ("address", "num_sources", "num_destinations", "generation")
+"""The group settings the manager derives: the actors and replicas it
+drives, a fresh generation at every join, the store's address (an option of
+its own, :attr:`VerlOptions.address`)."""
+
+
+_RENAMED = {"backend": "group_backend"}
+"""Settings a verl user cannot give by their own name: verl builds the
+backend with ``CheckpointEngineRegistry.new(backend, **engine_kwargs.reshard)``,
+where a ``backend`` key collides with verl's own argument (vLLM's trainer
+init info spells it ``group_backend`` too)."""
+
+GROUP_SETTINGS = {
+    _RENAMED.get(n, n): n for n in scope_fields(GROUP, TRAINER) if n not in (*_DERIVED, "job", "timeout_s")
+}
+"""The :class:`reshard.GroupConfig` settings a verl user sets in
+``engine_kwargs.reshard`` besides :class:`VerlOptions`' own fields (key ->
+setting): every setting all ranks share or the actors hold, but those the
+manager derives."""
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
 class VerlOptions:
-    """``actor_rollout_ref.rollout.checkpoint_engine.engine_kwargs.reshard``."""
+    """``actor_rollout_ref.rollout.checkpoint_engine.engine_kwargs.reshard``:
+    the fields below, and any other :class:`reshard.GroupConfig` setting
+    every rank shares or the actors hold (``checksums``, ``shared_memory``,
+    ``delta``, ``delta_budget_bytes``, ...), by name (``backend`` as
+    ``group_backend``: :data:`GROUP_SETTINGS`)."""
 
     address: str | None = None
     """``host:port`` of the refit store, hosted by actor rank 0; every actor
@@ -114,24 +138,44 @@ class VerlOptions:
     atomic: bool = False
     """A refit that fails leaves every old weight in the engines (one more
     copy of each worker's weights during the refit)."""
+    group: dict[str, Any] = dataclasses.field(default_factory=dict)
+    """The other group settings (:data:`GROUP_SETTINGS`), by their ``GroupConfig`` names."""
 
     def __post_init__(self) -> None:
+        settable = list(GROUP_SETTINGS.values())
+        unknown = sorted(set(self.group) - set(settable))
+        if unknown:
+            raise ValueError(f"VerlOptions.group: {unknown} are no group settings a verl user sets; known: {settable}")
         if self.timeout_s <= 0:
             raise ValueError(f"engine_kwargs.reshard.timeout_s must be positive, got {self.timeout_s}")
+        # Bad values fail where verl builds the options, not at the first refit.
+        self.config(address=self.address or "localhost:1", num_sources=1, num_destinations=1, generation=0)
 
     @classmethod
     def of(cls, kwargs: Any) -> VerlOptions:
-        known = set(cls.__slots__)  # type: ignore[attr-defined]
+        """The options from verl's ``engine_kwargs.reshard`` (flat keys)."""
+        own = {f.name for f in dataclasses.fields(cls)} - {"group"}
         given = dict(kwargs or {})
-        unknown = sorted(set(given) - known)
+        unknown = sorted(set(given) - own - set(GROUP_SETTINGS))
         if unknown:
             raise ValueError(
-                f"checkpoint_engine.engine_kwargs.reshard has unknown keys {unknown}; known: {sorted(known)}"
+                f"checkpoint_engine.engine_kwargs.reshard has unknown keys {unknown}; "
+                f"known: {sorted(own | set(GROUP_SETTINGS))}"
             )
-        return cls(**given)
+        group = {setting: given.pop(key) for key, setting in GROUP_SETTINGS.items() if key in given}
+        return cls(**given, group=group)
 
-
-_CLASSES: dict[str, Any] = {}
+    def config(self, *, address: str, num_sources: int, num_destinations: int, generation: int) -> GroupConfig:
+        """The refit group's settings for the actors and replicas the manager drives."""
+        return GroupConfig(
+            address=address,
+            num_sources=num_sources,
+            num_destinations=num_destinations,
+            generation=generation,
+            job=self.job,
+            timeout_s=self.timeout_s,
+            **self.group,
+        )
 
 
 def lora_unmerged(model_config: Any, rank: int = 0) -> None:
@@ -164,11 +208,8 @@ def register() -> None:
     CheckpointEngineRegistry.register(BACKEND)(_engine_class())
 
 
+@_LAZY.builds("ReshardCheckpointEngine")
 def _engine_class() -> type:
-    cls = _CLASSES.get("ReshardCheckpointEngine")
-    if cls is not None:
-        return cls
-    check_verl_version()
     from verl.checkpoint_engine import CheckpointEngine
 
     class ReshardCheckpointEngine(CheckpointEngine):  # type: ignore[misc, valid-type]
@@ -245,9 +286,6 @@ def _engine_class() -> type:
                 self.sender.close()
                 self.sender = None
 
-    ReshardCheckpointEngine.__module__ = __name__
-    ReshardCheckpointEngine.__qualname__ = "ReshardCheckpointEngine"
-    _CLASSES["ReshardCheckpointEngine"] = ReshardCheckpointEngine
     return ReshardCheckpointEngine
 
 
@@ -349,11 +387,8 @@ def _cancel(worker: Any, reason: str) -> None:
 # -- the manager -----------------------------------------------------------------
 
 
+@_LAZY.builds("ReshardCheckpointManager")
 def _manager_class() -> type:
-    cls = _CLASSES.get("ReshardCheckpointManager")
-    if cls is not None:
-        return cls
-    check_verl_version()
     from verl.checkpoint_engine import CheckpointEngineManager
     from verl.utils.ray_utils import auto_await
 
@@ -423,19 +458,20 @@ def _manager_class() -> type:
             if address is None:
                 address = await workers[0].__ray_call__.remote(_store_address)
             self._generation += 1
-            group = {
-                "address": address,
-                "num_sources": len(workers),
-                "num_destinations": sum(int(r.world_size) for r in self.replicas),
-                "job": self.options.job,
-                "timeout_s": self.options.timeout_s,
-                "generation": self._generation,
-            }
+            config = self.options.config(
+                address=address,
+                num_sources=len(workers),
+                num_destinations=sum(int(r.world_size) for r in self.replicas),
+                generation=self._generation,
+            )
+            # Actors: every shared and trainer setting (each reads its own
+            # token from its environment; rank 0 hosts the store).
+            group = settings(config, GROUP, TRAINER)
             await asyncio.gather(*[w.__ray_call__.remote(_serve, group) for w in workers])
             offset = 0
             inits: list[Any] = []
             for r in self.replicas:
-                info = {**group, "engine_offset": offset, "atomic": self.options.atomic}
+                info = GroupSpec.of(config, engine_offset=offset, atomic=self.options.atomic).init_info()
                 rpc: Any = r.servers[0].collective_rpc
                 inits.append(rpc.remote("init_weight_transfer_engine", kwargs={"init_info": info}))
                 offset += int(r.world_size)
@@ -465,9 +501,6 @@ def _manager_class() -> type:
                 raise ReshardError(f"reshard refit {refit}: {what} failed: {e}") from e
             return list(await asyncio.gather(*pushes))
 
-    ReshardCheckpointManager.__module__ = __name__
-    ReshardCheckpointManager.__qualname__ = "ReshardCheckpointManager"
-    _CLASSES["ReshardCheckpointManager"] = ReshardCheckpointManager
     return ReshardCheckpointManager
 
 
@@ -485,11 +518,6 @@ async def _pull(replica: Any, refit: int) -> None:
     await server.collective_rpc.remote("finish_weight_update")
 
 
-def __getattr__(name: str) -> Any:
-    """``ReshardCheckpointManager`` and ``ReshardCheckpointEngine`` import
-    verl when first asked for (verl's ``load_class_from_fqn`` asks)."""
-    if name == "ReshardCheckpointManager":
-        return _manager_class()
-    if name == "ReshardCheckpointEngine":
-        return _engine_class()
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+# ``ReshardCheckpointManager`` and ``ReshardCheckpointEngine`` import verl
+# when first asked for (verl's ``load_class_from_fqn`` asks).
+__getattr__ = _LAZY.getattr

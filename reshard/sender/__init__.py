@@ -60,7 +60,7 @@ class Sender:
         """``source``: a module (parameters and persistent buffers), as the
         trainer wrapped it, or a dict of named tensors, or what a registered
         trainer reader takes (:mod:`reshard.sender.readers`; e.g.
-        ``reshard.adapters.megatron.MegatronSource``). ``rank``: this trainer rank (default: the rank in
+        ``reshard.sender.megatron.MegatronSource``). ``rank``: this trainer rank (default: the rank in
         the default process group, else 0). ``rename`` maps a parameter name
         to its checkpoint name (``None`` skips it; the default strips FSDP,
         DDP and ``torch.compile`` prefixes). ``model_type``: the transformers

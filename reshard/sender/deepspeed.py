@@ -39,12 +39,20 @@ from typing import TYPE_CHECKING, Any
 
 from reshard.plan.box import Box, chunk_block, chunk_range
 from reshard.sender.held import Held, flat_held
-from reshard.sender.readers import ReadContext, TrainerReader, register_reader
+from reshard.sender.readers import ReadContext, TrainerReader
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["autoep_config", "autoep_held", "autoep_layers", "deepspeed_engine_module", "is_zero3_param", "zero3_held"]
+__all__ = [
+    "READER",
+    "autoep_config",
+    "autoep_held",
+    "autoep_layers",
+    "deepspeed_engine_module",
+    "is_zero3_param",
+    "zero3_held",
+]
 
 
 def _loaded() -> bool:
@@ -264,15 +272,13 @@ def _refuse_autotp(model: torch.nn.Module, ctx: ReadContext) -> str | None:
     return None
 
 
-READER = register_reader(
-    TrainerReader(
-        name="DeepSpeed ZeRO-1/2/3 (DeepSpeedEngine, zero.Init, AutoEP)",
-        unwrap=deepspeed_engine_module,
-        modules=_autoep_modules,
-        tensor=_zero3_tensor,
-        refuse=_refuse_moe,
-        refuse_module=_refuse_autotp,
-    )
+READER = TrainerReader(
+    name="DeepSpeed ZeRO-1/2/3 (DeepSpeedEngine, zero.Init, AutoEP)",
+    unwrap=deepspeed_engine_module,
+    modules=_autoep_modules,
+    tensor=_zero3_tensor,
+    refuse=_refuse_moe,
+    refuse_module=_refuse_autotp,
 )
 """ZeRO-3 partitions and AutoEP layers as views of this rank's storage;
 ZeRO-1/2 parameters are whole on every rank (replicas, read as plain

@@ -33,12 +33,12 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from reshard.sender.held import Held, flat_held
-from reshard.sender.readers import ReadContext, TrainerReader, register_reader
+from reshard.sender.readers import ReadContext, TrainerReader
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["fsdp1_held", "fsdp1_units", "is_flat_param"]
+__all__ = ["READER", "fsdp1_held", "fsdp1_units", "is_flat_param"]
 
 
 def is_flat_param(t: Any) -> bool:
@@ -123,7 +123,5 @@ def _refuse_stray_flat(name: str, t: torch.Tensor, ctx: ReadContext) -> str | No
     )
 
 
-READER = register_reader(
-    TrainerReader(name="FSDP1 (FullyShardedDataParallel)", modules=_units, refuse=_refuse_stray_flat)
-)
+READER = TrainerReader(name="FSDP1 (FullyShardedDataParallel)", modules=_units, refuse=_refuse_stray_flat)
 """Each unit's flat parameter, as views of its local shard."""

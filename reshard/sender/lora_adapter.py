@@ -25,7 +25,7 @@ from typing import Any
 import msgspec
 
 from reshard.sender.peft import find_peft, lora_layers
-from reshard.sender.readers import Description, ReadContext, TrainerReader, register_reader, unwrap
+from reshard.sender.readers import Description, ReadContext, TrainerReader
 
 __all__ = ["READER", "AdapterSpec", "LoraAdapter"]
 
@@ -66,7 +66,8 @@ class LoraAdapter:
 
     def spec(self) -> AdapterSpec:
         """The adapter's config and modules (see :class:`AdapterSpec`)."""
-        peft = find_peft(_unwrapped(self.model))
+        # Inside any trainer's wrappers: they are modules, which find_peft searches.
+        peft = find_peft(self.model)
         if peft is None:
             raise TypeError(f"{type(self.model).__name__} is no PEFT model")
         cfg = peft.peft_config[self.adapter]
@@ -84,17 +85,12 @@ class LoraAdapter:
         return AdapterSpec(config=json.dumps(data, default=str, sort_keys=True), modules=modules)
 
 
-def _unwrapped(model: Any) -> Any:
-    return unwrap(model)[0]
-
-
 def _describe(source: Any, ctx: ReadContext) -> Description | None:
-    if not isinstance(source, LoraAdapter) or ctx.inner is None:
+    if not isinstance(source, LoraAdapter):
         return None
     from reshard.sender.pieces import default_rename
 
-    model = _unwrapped(source.model) if ctx.unwrap is None else ctx.unwrap(source.model)[0]
-    peft = find_peft(model)
+    peft = find_peft(ctx.unwrap(source.model)[0])
     if peft is None:
         raise TypeError(
             f"rank {ctx.rank}: {type(source.model).__name__} is no PEFT model: nothing to send as an adapter"
@@ -121,11 +117,11 @@ def _describe(source: Any, ctx: ReadContext) -> Description | None:
                 return name.removesuffix(f".{source.adapter}")
         return None
 
-    pieces, grids, local = ctx.inner(source.model, rename)
-    if not pieces and not grids:
+    described = ctx.inner(source.model, rename)
+    if not described.pieces and not described.grids:
         raise TypeError(f"rank {ctx.rank}: the policy has no LoRA factors of adapter {source.adapter!r}")
-    return pieces, grids, local
+    return described
 
 
-READER = register_reader(TrainerReader(name="PEFT LoRA adapter (adapter-only)", describe=_describe))
+READER = TrainerReader(name="PEFT LoRA adapter (adapter-only)", describe=_describe)
 """A PEFT adapter's factors, for engines that hold adapters in LoRA slots."""

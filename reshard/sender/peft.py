@@ -41,7 +41,7 @@ from reshard.plan.box import Box
 from reshard.plan.layout import Grid, Slot, grid_box
 from reshard.plan.specs import GridSpec, PieceSpec
 from reshard.sender.gather import gather_whole
-from reshard.sender.readers import Description, ReadContext, TrainerReader, register_reader
+from reshard.sender.readers import Description, ReadContext, TrainerReader
 from reshard.transport.locals import LocalTensors
 from reshard.transport.messages import local_view
 
@@ -312,12 +312,9 @@ def _my_box(g: GridSpec, rank: int) -> Box:
 
 
 def _describe(source: Any, ctx: ReadContext) -> Description | None:
-    if ctx.inner is None:
-        return None
     from reshard.sender.pieces import default_rename
 
-    model, _ = ctx.unwrap(source) if ctx.unwrap is not None else (source, [])
-    model = find_peft(model)
+    model = find_peft(ctx.unwrap(source)[0])
     if model is None:
         return None
     layers, saved = lora_layers(model, ctx.rank)
@@ -330,7 +327,7 @@ def _describe(source: Any, ctx: ReadContext) -> Description | None:
     factors, gathered = gather_whole(parts, shapes, device=device)
     _attach(factors, by_weight, ctx.rank)
     merges = _merges(pieces, grids, local, by_weight, ctx.rank)
-    return pieces, grids, PeftPolicy(local, merges, gathered_bytes=gathered)  # type: ignore[return-value]
+    return Description(pieces, grids, PeftPolicy(local, merges, gathered_bytes=gathered))
 
 
 def _layer_infos(layers: Mapping[str, dict]) -> dict[str, LoraLayerInfo]:
@@ -429,5 +426,5 @@ def _merges(
     return out
 
 
-READER = register_reader(TrainerReader(name="PEFT LoRA (merged)", describe=_describe))
+READER = TrainerReader(name="PEFT LoRA (merged)", describe=_describe)
 """A PEFT LoRA policy, under any trainer reshard reads, as merged weights."""

@@ -1,13 +1,15 @@
-"""Trainer readers: one registration seam for every way a trainer keeps its
-weights that ``Sender(model)`` reads.
+"""Trainer readers: the contract every way a trainer keeps its weights
+implements so that ``Sender(model)`` reads it.
 
 A :class:`TrainerReader` says what it knows of one trainer, in up to five
 hooks, all optional; :func:`reshard.sender.trainers.describe_trainer` runs
-them in this order, for every registered reader:
+them in this order, for every reader
+(:func:`reshard.sender.trainers.readers`: the built-ins in their documented
+order, then those a user registered):
 
-1. ``describe(source, ctx)``: the whole description of a source this reader
-   owns outright (a Megatron model with its Hugging Face config), or
-   ``None``;
+1. ``describe(source, ctx)``: the whole :class:`Description` of a source
+   this reader owns outright (a Megatron model with its Hugging Face config,
+   a PEFT policy), or ``None``;
 2. ``unwrap(obj)``: the object inside a wrapper of this trainer
    (``DeepSpeedEngine.module``, DDP's ``module``), or ``None``;
 3. ``modules(model, ctx)``: views (:class:`~reshard.sender.held.Held`) of
@@ -19,17 +21,24 @@ them in this order, for every registered reader:
    module left over is one this trainer keeps in a way reshard cannot read
    (a flat parameter outside its unit, a Megatron shard), or ``None``.
 
+A hook claims an object (a source, a wrapper, a tensor) by returning
+something for it; one object is claimed by one reader at most, and two
+claimants are an error naming both, the object's type and the rank, so no
+reader depends on running before another. A hook declines what it does not
+know cheaply (a type check), as every reader's hook sees every object.
+
 Tensors no reader claims are DTensors (FSDP2, TP) or plain replicas
-(:func:`reshard.sender.pieces.describe_module`). A new trainer is one
-:func:`register_reader` call beside its reader; docs/architecture.md lists
+(:func:`reshard.sender.pieces.describe_module`). A user's trainer is one
+:func:`reshard.sender.trainers.register_reader` call; a built-in one is an
+entry in :data:`reshard.sender.trainers.BUILTIN`. docs/architecture.md lists
 where each kind of change goes.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from reshard.plan.specs import GridSpec, PieceSpec
 from reshard.sender.held import Held
@@ -37,10 +46,23 @@ from reshard.sender.held import Held
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["Description", "ReadContext", "TrainerReader", "known_trainers", "readers", "register_reader", "unwrap"]
+    from reshard.transport.locals import LocalTensors
 
-Description = tuple[list[PieceSpec], list[GridSpec], "dict[str, torch.Tensor]"]
-"""(pieces, grids, local tensors) of one trainer rank, in checkpoint names."""
+__all__ = ["Description", "ReadContext", "TrainerReader"]
+
+
+class Description(NamedTuple):
+    """What one trainer rank holds, in checkpoint names: what a reader's
+    ``describe`` returns and what ``Sender`` builds its layout from."""
+
+    pieces: list[PieceSpec]
+    """Boxes of checkpoint tensors at boxes of local tensors."""
+    grids: list[GridSpec]
+    """Regular grids of DTensors, described by rule."""
+    tensors: Mapping[str, torch.Tensor] | LocalTensors
+    """The local tensors, by the local names the pieces and grids use (as
+    :class:`~reshard.transport.locals.LocalTensors` where they have a
+    lifecycle of their own: a PEFT policy's boxes, merged when read)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -57,9 +79,9 @@ class ReadContext:
     model_type: str | None
     include_buffers: bool
     source_rank_of: Callable[[int], int] | None
-    unwrap: Callable[[Any], tuple[Any, list[str]]] | None = None
+    unwrap: Callable[[Any], tuple[Any, list[str]]]
     """The model inside a source's wrappers, and the wrappers' names."""
-    inner: Callable[[Any, Callable[[str], str | None] | None], Description] | None = None
+    inner: Callable[[Any, Callable[[str], str | None] | None], Description]
     """The description of a source by every other hook, with another
     ``rename`` (a ``describe`` hook that transforms what the trainer holds,
     such as PEFT's merge, reads it this way)."""
@@ -77,42 +99,3 @@ class TrainerReader:
     tensor: Callable[[str, torch.Tensor, ReadContext], list[Held] | None] | None = None
     refuse: Callable[[str, torch.Tensor, ReadContext], str | None] | None = None
     refuse_module: Callable[[torch.nn.Module, ReadContext], str | None] | None = None
-
-
-_READERS: list[TrainerReader] = []
-
-
-def register_reader(reader: TrainerReader) -> TrainerReader:
-    """Add ``reader`` (a reader of the same name is replaced, so a module
-    imported twice registers once). Returns it."""
-    for i, r in enumerate(_READERS):
-        if r.name == reader.name:
-            _READERS[i] = reader
-            return reader
-    _READERS.append(reader)
-    return reader
-
-
-def readers() -> tuple[TrainerReader, ...]:
-    """The registered readers, in registration order."""
-    return tuple(_READERS)
-
-
-def known_trainers() -> str:
-    """What ``Sender(model)`` reads, for error messages."""
-    return ", ".join([*(r.name for r in _READERS), "FSDP2 / DTensor", "plain tensors"])
-
-
-def unwrap(source: Any) -> tuple[Any, list[str]]:
-    """The model inside the wrappers the registered readers unwrap, and the
-    wrappers' type names, outermost first."""
-    chain: list[str] = []
-    while True:
-        inner = None
-        for reader in _READERS:
-            if reader.unwrap is not None and (inner := reader.unwrap(source)) is not None:
-                break
-        if inner is None:
-            return source, chain
-        chain.append(type(source).__name__)
-        source = inner

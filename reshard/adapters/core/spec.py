@@ -98,6 +98,13 @@ class GroupSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     def to_json(self) -> str:
         return msgspec.json.encode(self).decode()
 
+    def init_info(self) -> dict[str, Any]:
+        """The spec as vLLM's ``init_weight_transfer_engine`` takes it, one
+        keyword per field (reshard's native backend rebuilds the spec from
+        them), but the token, which never travels there (workers read
+        ``$RESHARD_TOKEN``), and the version."""
+        return {k: v for k, v in msgspec.to_builtins(self).items() if k not in ("token", "version")}
+
     def config(self) -> GroupConfig:
         """The :class:`GroupConfig` a worker joins with (it never hosts the store)."""
         return GroupConfig(**settings(self, GROUP), domain=self.domain, token=self.token, host_store=False)
