@@ -104,6 +104,7 @@ class Receiver:
         before_transfer: Callable[[RankPlan], None] | None = None,
         touched: set[str] | None = None,
         after_transfer: Callable[[], None] | None = None,
+        refuse: str | None = None,
     ) -> RefitStats:
         """Receive refit number ``refit``. ``destinations`` overrides the
         tensors to write into for this refit (checked like the tensors given
@@ -116,9 +117,12 @@ class Receiver:
         join as rounds complete, so ``after_round`` can act on them.
         ``after_transfer()`` runs once this worker's last round completed,
         before every rank agrees on the outcome (its failure fails the refit
-        on every rank)."""
+        on every rank). ``refuse``: why this worker cannot take the refit (an
+        engine out of room for it): every rank raises
+        :class:`reshard.RefitError` with it at step ``enter``, before any byte
+        moves, and the next refit runs on the same group."""
         if method == "gather_broadcast":
-            return self.session.refit_baseline(refit, destinations=destinations)
+            return self.session.refit_baseline(refit, destinations=destinations, refuse=refuse)
         if method != "reshard":
             raise ValueError(f"unknown refit method {method!r}; use 'reshard' or 'gather_broadcast'")
         return self.session.refit(
@@ -128,6 +132,7 @@ class Receiver:
             before_transfer=before_transfer,
             touched=touched,
             after_transfer=after_transfer,
+            refuse=refuse,
         )
 
     def forget_base(self, why: str) -> None:

@@ -10,6 +10,9 @@ Shared by :class:`reshard.Sender` (trainer ranks) and
    0. agree on step ``enter``: every rank runs the same refit number, newer
       than the last one that succeeded on any rank; otherwise every rank
       raises :class:`RefitError` (step ``version``) before any byte moves.
+      A rank that cannot take the refit (``refuse``: an engine out of room
+      for it) makes every rank raise :class:`RefitError` (step ``enter``)
+      with its reason, before any byte moves.
       A rank whose group another rank rebuilt (a newer epoch) rejoins first.
       The ``enter`` statuses carry every rank's layout digest: a rank whose
       layout changed since the others last read it (:meth:`set_layout`)
@@ -330,7 +333,7 @@ class RefitSession:
 
     # -- 2. refit --------------------------------------------------------------
 
-    def _enter(self, refit: int) -> RefitGroup:
+    def _enter(self, refit: int, refuse: str | None = None) -> RefitGroup:
         """Step 0 (see the module docstring): returns the group to run on."""
         for _ in range(_REJOINS):
             if self.group is None:
@@ -342,7 +345,13 @@ class RefitSession:
                     raise EpochMoved("enter", {self.rank: "the refit group was rebuilt by another rank"})
                 group.begin()
                 status = wire.Status(
-                    rank=self.rank, step="enter", refit=refit, ok=True, last_refit=self.last_refit, layout=self._digest
+                    rank=self.rank,
+                    step="enter",
+                    refit=refit,
+                    ok=not refuse,
+                    error=refuse or "",
+                    last_refit=self.last_refit,
+                    layout=self._digest,
                 )
                 statuses = group.agree("enter", refit, status, peers=(), common=self._enter_common(refit))
                 break
@@ -399,8 +408,11 @@ class RefitSession:
         before_transfer: Callable[[RankPlan], None] | None = None,
         touched: set[str] | None = None,
         after_transfer: Callable[[], None] | None = None,
+        refuse: str | None = None,
     ) -> RefitStats:
-        """Run refit number ``refit`` (see the module docstring). ``touched``
+        """Run refit number ``refit`` (see the module docstring). ``refuse``:
+        why this rank cannot take the refit; every rank raises it at step
+        ``enter`` and the group stays usable. ``touched``
         (``GroupConfig.delta``, a destination): a set the local tensors whose
         values changed join as rounds complete (before ``after_round``).
         ``after_transfer()`` runs once this rank's last round completed,
@@ -411,7 +423,7 @@ class RefitSession:
         cpu0 = time.process_time()
         started_at = time.time()
         with self._attempt(refit):
-            group = self._enter(refit)
+            group = self._enter(refit, refuse)
             enter_s = time.perf_counter() - t0
             exports = self.exports.publish(group, self.config, self.tensors, self.device, lambda: self._planned()[0])
             plan, statuses, agree_s = self._agree_plan(group, refit, destinations, exports)
@@ -701,16 +713,22 @@ class RefitSession:
         return self.budgets.get(rank) or DEFAULT_BUDGET_BYTES
 
     def refit_baseline(
-        self, refit: int, *, destinations: Mapping[str, torch.Tensor] | None = None, bucket_bytes: int | None = None
+        self,
+        refit: int,
+        *,
+        destinations: Mapping[str, torch.Tensor] | None = None,
+        bucket_bytes: int | None = None,
+        refuse: str | None = None,
     ) -> RefitStats:
-        """Refit ``refit`` by gather-and-broadcast (see :mod:`reshard.transport.baseline`)."""
+        """Refit ``refit`` by gather-and-broadcast (see :mod:`reshard.transport.baseline`);
+        ``refuse`` as for :meth:`refit`."""
         t0 = time.perf_counter()
         cpu0 = time.process_time()
         started_at = time.time()
         # Gather-and-broadcast leaves snapshots behind what receivers hold.
         self.delta.void(f"refit {refit} is a gather-and-broadcast")
         with self._attempt(refit):
-            group = self._enter(refit)
+            group = self._enter(refit, refuse)
             # Buckets must cut alike on every rank: the smallest budget of any rank.
             bucket_bytes = bucket_bytes or min(self.budgets.values(), default=0) or self.budget_bytes
             ex = gather_broadcast(
