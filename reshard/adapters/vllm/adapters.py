@@ -75,6 +75,9 @@ class VllmAdapters:
     and the versions the worker holds (``versions``, ``versions_bytes``,
     ``held``: versions requests keep alive, by request id).
 
+    ``poll_s``: the longest wait between two polls of the workers while
+    they receive (each poll is one short call between two engine steps).
+
     ``colocated``: the engines are this trainer rank's own (one per rank,
     TRL's colocate mode): their workers take refit ranks ``num_sources`` +
     their vLLM rank, and the other ranks' engines make up the rest of
@@ -90,7 +93,7 @@ class VllmAdapters:
         max_versions: int | None = None,
         budget_bytes: int = DEFAULT_BUDGET_BYTES,
         colocated: bool = False,
-        poll_s: float = 0.02,
+        poll_s: float = 0.01,
     ) -> None:
         if not name or "/" in name or "@" in name:
             raise ValueError(f"adapter name {name!r} must be non-empty and contain no '/' or '@'")
