@@ -11,18 +11,18 @@ Servers run with ``--enable-lora``, ``VLLM_SERVER_DEV_MODE=1``,
 One refit, on every engine (each call into an engine is short, so it keeps
 generating throughout but for the registration):
 
-1. retire (:meth:`VllmAdapters.retire`): each worker drops the versions
-   older than the ``keep`` newest that no request names, as its engine
-   core reports them (:mod:`reshard.adapters.vllm.lora_versions`);
-2. stage: each worker starts receiving the new version in a thread of its
-   own and the driver polls until every worker has it; a worker that would
-   hold more than ``max_versions`` versions refuses the refit on every rank
-   (trainer ranks included) before any byte moves, naming the requests that
-   hold old versions;
-3. commit: each worker keeps the version; it is registered in vLLM (a
-   version that cannot load fails the refit here, not in a generation
-   step) and becomes the one :meth:`VllmAdapters.request` hands out;
-   servers stop accepting the version that left the ``keep`` newest.
+1. stage: each worker first drops the versions older than the ``keep``
+   newest that no request names, as its engine core reports them
+   (:mod:`reshard.adapters.vllm.lora_versions`), then starts receiving the
+   new version in a thread of its own; a worker that would hold more than
+   ``max_versions`` versions refuses the refit on every rank (trainer ranks
+   included) before any byte moves, naming the requests that hold old
+   versions;
+2. the driver polls until every worker has it (each keeps it then);
+3. commit: the version is registered in vLLM (a version that cannot load
+   fails the refit here, not in a generation step) and becomes the one
+   :meth:`VllmAdapters.request` hands out; servers stop accepting the
+   version that left the ``keep`` newest.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from reshard.adapters.core.fanout import fan_out
 from reshard.adapters.core.replies import WorkerReply, raise_for_replies
 from reshard.adapters.core.spec import GroupSpec
 from reshard.adapters.vllm.driver import HttpEngine
-from reshard.adapters.vllm.lora_versions import RETIRE, install_core_report, lora_path, version_name
+from reshard.adapters.vllm.lora_versions import RETIRE, STAGE, install_core_report, lora_path, version_name
 from reshard.errors import ReshardError
 from reshard.sender.lora_adapter import AdapterSpec, LoraAdapter
 from reshard.transport.group import GroupConfig
@@ -125,6 +125,7 @@ class VllmAdapters:
         self.versions_bytes = 0
         """Bytes of the versions the busiest worker holds, as last reported."""
         self._staging: tuple[int, int] | None = None
+        self._staged: list[WorkerReply] = []
 
     # -- Engines -------------------------------------------------------------------
 
@@ -150,9 +151,9 @@ class VllmAdapters:
 
     def refit(self, refit: int, *, method: str = "reshard") -> list[WorkerReply]:
         """Refit ``refit`` of the adapter into every engine as a new version
-        (:meth:`stage`, wait until every worker has it, :meth:`commit`); the
-        engines keep generating throughout, but for the registration. A
-        failure leaves the previous version serving."""
+        (:meth:`stage`, :meth:`staged` until every worker has it,
+        :meth:`commit`); the engines keep generating throughout, but for the
+        registration. A failure leaves the previous version serving."""
         self.stage(refit, method=method)
         wait = self.poll_s / 4
         while not self.staged(refit):
@@ -161,52 +162,54 @@ class VllmAdapters:
         return self.commit(refit)
 
     def stage(self, refit: int, *, method: str = "reshard") -> list[WorkerReply]:
-        """Retire what no request uses (:meth:`retire`), then start every
-        engine's workers receiving refit ``refit`` (trainer ranks push it at
-        the same time) and return at once; the engines keep generating.
-        A worker without room for another version refuses the refit: every
-        rank raises :class:`reshard.RefitError` (step ``enter``), surfaced
-        here by :meth:`staged`."""
+        """Start every engine's workers receiving refit ``refit`` (trainer
+        ranks push it at the same time) and return at once; the engines keep
+        generating. Each worker first retires what no request uses (as
+        :meth:`retire`, in the same call). A worker without room for another
+        version refuses the refit: every rank raises
+        :class:`reshard.RefitError` (step ``enter``), surfaced here by
+        :meth:`staged`."""
         if self.config is None:
             raise RuntimeError("VllmAdapters.init must run before a refit")
-        self.retire()
         with _IDS_LOCK:
             lora_id = next(_IDS)
         self._staging = (refit, lora_id)
-        args = (self.name, str(refit), str(lora_id), method, str(self.max_versions))
+        self._staged = []
+        keep = self._keep()
         replies: list[WorkerReply] = []
         for e in self.engines:
-            rs = _replies(e, "reshard_lora_stage", *args)
-            raise_for_replies(rs, "reshard_lora_stage", version=refit)
+            rs = _replies(e, STAGE, self.name, str(refit), str(lora_id), method, str(self.max_versions), keep)
+            raise_for_replies(rs, STAGE, version=refit)
             replies += rs
+        self._retired(replies)
         return replies
 
     def staged(self, refit: int) -> bool:
         """Whether every worker of every engine holds refit ``refit`` (one
-        short call per engine); raises the refit's error if it failed."""
-        done = True
+        short call per engine; a worker keeps the version once it has it);
+        raises the refit's error if it failed."""
+        if self._staging is None or self._staging[0] != refit:
+            raise RuntimeError(f"adapter {self.name!r}: refit {refit} was not staged")
+        replies: list[WorkerReply] = []
         for e in self.engines:
-            replies = _replies(e, "reshard_lora_staged", self.name, str(refit))
-            raise_for_replies(replies, "reshard_lora_stage", version=refit)
-            done = done and all(r.stats.get("staged") for r in replies)
+            rs = _replies(e, "reshard_lora_staged", self.name, str(refit))
+            raise_for_replies(rs, STAGE, version=refit)
+            replies += rs
+        done = all(r.stats.get("staged") for r in replies)
+        if done:
+            self._staged = replies
         return done
 
     def commit(self, refit: int) -> list[WorkerReply]:
-        """Keep staged refit ``refit`` on every worker, register it on every
-        engine (a version that cannot load fails the refit here; inside a
-        generation step it would kill the engine), then hand it out."""
-        if self._staging is None or self._staging[0] != refit:
-            raise RuntimeError(f"adapter {self.name!r}: refit {refit} was not staged")
+        """Register staged refit ``refit`` on every engine (a version that
+        cannot load fails the refit here; inside a generation step it would
+        kill the engine), then hand it out; returns every worker's account
+        of the refit."""
+        if self._staging is None or self._staging[0] != refit or not self._staged:
+            raise RuntimeError(f"adapter {self.name!r}: refit {refit} was not staged (or is still being received)")
         lora_id = self._staging[1]
-        self._staging = None
-
-        def keep(e: Any) -> list[WorkerReply]:
-            replies = _replies(e, "reshard_lora_commit", self.name, str(refit))
-            raise_for_replies(replies, "reshard_lora_commit", version=refit)
-            _register(e, self.name, refit, lora_id)
-            return replies
-
-        replies = [r for rs in fan_out(self.engines, keep, name="reshard-lora-commit") for r in rs]
+        replies, self._staging, self._staged = self._staged, None, []
+        fan_out(self.engines, lambda e: _register(e, self.name, refit, lora_id), name="reshard-lora-register")
         self.versions.append((refit, lora_id))
         old, self.versions = self.versions[: -self.keep], self.versions[-self.keep :]
         for e in self.engines:
@@ -232,28 +235,36 @@ class VllmAdapters:
         Every refit starts with it; call it to free memory between refits."""
         if self.config is None:
             raise RuntimeError("VllmAdapters.init must run before a retire")
-        keep = json.dumps([lora_path(self.name, refit) for refit, _ in self.versions])
+        keep = self._keep()
         replies: list[WorkerReply] = []
-        held: dict[str, list[str]] = {}
         for e in self.engines:
             rs = _replies(e, RETIRE, self.name, keep)
             raise_for_replies(rs, RETIRE)
-            for r in rs:
-                if not r.stats.get("reported", False):
-                    log.warning(
-                        "adapter %r: engine %r did not report which requests use its versions, so none is freed "
-                        "(is reshard's vLLM plugin loaded in its engine core?)",
-                        self.name,
-                        e,
-                    )
-                for version, ids in dict(r.stats.get("held", {})).items():
-                    held.setdefault(version, [])
-                    held[version] += [i for i in ids if i not in held[version]]
             replies += rs
+        self._retired(replies)
+        return replies
+
+    def _keep(self) -> str:
+        """The paths of the versions handed out (never retired), as JSON."""
+        return json.dumps([lora_path(self.name, refit) for refit, _ in self.versions])
+
+    def _retired(self, replies: list[WorkerReply]) -> None:
+        """Take in the workers' accounts of a retire."""
+        held: dict[str, list[str]] = {}
+        for r in replies:
+            if not r.stats.get("reported", False):
+                log.warning(
+                    "adapter %r: engine rank %d got no report of which requests use its versions, so none is "
+                    "freed (is reshard's vLLM plugin loaded in its engine core?)",
+                    self.name,
+                    r.rank,
+                )
+            for version, ids in dict(r.stats.get("held", {})).items():
+                held.setdefault(version, [])
+                held[version] += [i for i in ids if i not in held[version]]
         self.held = held
         if replies:
             self.versions_bytes = max(int(r.stats.get("versions_bytes", 0)) for r in replies)
-        return replies
 
     # -- what requests use ---------------------------------------------------------
 

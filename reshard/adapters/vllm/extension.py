@@ -25,15 +25,16 @@ strings only:
   ``reshard_lora_init(spec, name, adapter)`` learns the slices of adapter
   ``name`` (``adapter``: an :class:`reshard.sender.lora_adapter.AdapterSpec`
   as JSON) this worker's LoRA layers keep, in refit group ``spec``;
-  ``reshard_lora_stage(name, refit, lora_id, method, max_versions)`` starts
-  receiving refit ``refit`` of it in a thread of the worker and returns at
-  once (the engine keeps generating; a worker that holds ``max_versions``
-  versions refuses the refit on every rank), ``reshard_lora_staged(name,
-  refit)`` says whether it is done, ``reshard_lora_commit(name, refit)``
-  keeps it as a version vLLM loads from ``reshard://<name>/<refit>``;
   ``reshard_lora_retire(name, keep)`` drops the versions not in ``keep``
   (JSON list of paths) that no request names, which the engine core reports
-  by appending an argument (:mod:`reshard.adapters.vllm.lora_versions`).
+  by appending an argument (:mod:`reshard.adapters.vllm.lora_versions`);
+  ``reshard_lora_stage(name, refit, lora_id, method, max_versions, keep)``
+  retires so, then starts receiving refit ``refit`` of the adapter in a
+  thread of the worker and returns at once (the engine keeps generating; a
+  worker that holds ``max_versions`` versions refuses the refit on every
+  rank); ``reshard_lora_staged(name, refit)`` says whether it is done, and
+  once it is, keeps it as a version vLLM loads from
+  ``reshard://<name>/<refit>``.
 - ``reshard_status()``, ``reshard_stats()``, ``reshard_close()``.
 - ``reshard_state(probe=True)``: a digest of every tensor the model's
   forward pass may read (parameters, buffers, tensors derived at load time
@@ -231,29 +232,30 @@ class ReshardWorkerExtension:
             return failure(e, rank=receiver.rank if receiver is not None else -1).to_builtins()
 
     def reshard_lora_stage(
-        self, name: str, refit: int | str, lora_id: int | str, method: str = "reshard", max_versions: int | str = 4
+        self,
+        name: str,
+        refit: int | str,
+        lora_id: int | str,
+        method: str = "reshard",
+        max_versions: int | str = 4,
+        keep: str | list[str] = "[]",
+        users: str | None = None,
     ) -> dict[str, Any]:
-        return self._lora_call(
-            name, lambda r: r.stage(int(refit), int(lora_id), method=method, max_versions=int(max_versions))
-        )
+        """Retire (as :meth:`reshard_lora_retire`), then start receiving."""
+
+        def stage(r: Any) -> dict[str, Any]:
+            retired = _retire(r, name, keep, users)
+            return {**r.stage(int(refit), int(lora_id), method=method, max_versions=int(max_versions)), **retired}
+
+        return self._lora_call(name, stage)
 
     def reshard_lora_staged(self, name: str, refit: int | str) -> dict[str, Any]:
-        return self._lora_call(name, lambda r: {"staged": r.staged(int(refit))})
-
-    def reshard_lora_commit(self, name: str, refit: int | str) -> dict[str, Any]:
-        return self._lora_call(name, lambda r: r.commit(int(refit)))
+        return self._lora_call(name, lambda r: r.staged(int(refit)))
 
     def reshard_lora_retire(self, name: str, keep: str | list[str], users: str | None = None) -> dict[str, Any]:
         """``users``: appended by the engine core (its scheduler's requests by
         LoRA path, JSON); without it nothing is dropped."""
-        import json
-
-        def retire(r: Any) -> dict[str, Any]:
-            listed = json.loads(keep) if isinstance(keep, str) else list(keep)
-            report = json.loads(users) if users is not None else None
-            return {**r.owner.retire(name, [str(p) for p in listed], report), "kept_bytes": r.kept_bytes}
-
-        return self._lora_call(name, retire)
+        return self._lora_call(name, lambda r: _retire(r, name, keep, users))
 
     def reshard_stats(self) -> dict[str, Any]:
         r = getattr(self, "_reshard", None)
@@ -267,3 +269,11 @@ class ReshardWorkerExtension:
         loras = getattr(self, "_reshard_adapters", None)
         if loras is not None:
             loras.close()
+
+
+def _retire(receiver: Any, name: str, keep: str | list[str], users: str | None) -> dict[str, Any]:
+    import json
+
+    listed = json.loads(keep) if isinstance(keep, str) else list(keep)
+    report = json.loads(users) if users is not None else None
+    return {**receiver.owner.retire(name, [str(p) for p in listed], report), "kept_bytes": receiver.kept_bytes}

@@ -13,7 +13,7 @@ while the engine keeps generating (:meth:`AdapterReceiver.stage`: a thread
 of the worker receives into the adapter's buffers and builds vLLM's
 ``LoRAModel`` from a copy of them, ``B`` scaled as vLLM scales it at load,
 in vLLM's LoRA dtype), then is kept
-(:meth:`AdapterReceiver.commit`) in the worker's store under the path
+(:meth:`AdapterReceiver.staged`, once it is done) in the worker's store under the path
 ``reshard://<name>/<refit>``; vLLM's own loader serves those paths from the
 store, so vLLM registers, evicts and re-loads the version as it would a
 directory, and a base-weight refit (which resets vLLM's LoRA state) loses
@@ -211,6 +211,8 @@ class AdapterReceiver:
         """Bytes of one version on this worker (its slices of every factor)."""
         self._pinned = torch.device(device).type == "cuda"
         self._job: _Job | None = None
+        self._kept: tuple[int, dict[str, Any]] | None = None
+        """The last refit kept, and its stats (a driver may ask again)."""
 
     def stage(self, refit: int, lora_id: int, *, method: str = "reshard", max_versions: int) -> dict[str, Any]:
         """Start receiving refit ``refit`` of the adapter, in a thread of this
@@ -218,8 +220,7 @@ class AdapterReceiver:
         once: the engine keeps generating meanwhile (nothing it serves is
         written). If this worker already holds ``max_versions`` versions
         (:meth:`WorkerAdapters.room`), the refit is refused on every rank
-        before any byte moves. :meth:`staged` says when it is done,
-        :meth:`commit` keeps it."""
+        before any byte moves. :meth:`staged` says when it is done."""
         self._wait()
         refuse = self.owner.room(self.name, max_versions, refit)
         job = _Job(refit, lora_id)
@@ -229,7 +230,7 @@ class AdapterReceiver:
             try:
                 job.stats = self.receiver.pull(refit, method=method, refuse=refuse)
                 job.model = self._build(lora_id)
-            except BaseException as e:  # reported by staged / commit
+            except BaseException as e:  # reported by staged
                 job.error = e
             job.seconds = time.perf_counter() - t0
 
@@ -238,9 +239,15 @@ class AdapterReceiver:
         job.thread.start()
         return {"staging": refit, "refused": refuse is not None}
 
-    def staged(self, refit: int) -> bool:
-        """Whether refit ``refit`` is received and built (``False``: still
-        receiving); raises its error if it failed (nothing was kept)."""
+    def staged(self, refit: int) -> dict[str, Any]:
+        """``{"staged": False}`` while refit ``refit`` is being received; once
+        it is received and built, keeps it as a version vLLM loads from
+        ``reshard://<name>/<refit>`` (the engine serves nothing new until a
+        driver hands out its ``LoRARequest``) and returns its stats with
+        ``"staged": True``. Raises the refit's error if it failed (nothing
+        is kept)."""
+        if self._kept is not None and self._kept[0] == refit:
+            return self._kept[1]
         job = self._job
         if job is None or job.refit != refit:
             raise ReshardError(
@@ -248,24 +255,16 @@ class AdapterReceiver:
                 + (f" (refit {job.refit} was)" if job is not None else "")
             )
         if job.thread is not None and job.thread.is_alive():
-            return False
+            return {"staged": False}
+        self._job = None
         if job.error is not None:
             raise job.error
-        return True
-
-    def commit(self, refit: int) -> dict[str, Any]:
-        """Keep staged refit ``refit`` as a version vLLM loads from
-        ``reshard://<name>/<refit>``; the engine serves nothing new until a
-        driver hands out the version's ``LoRARequest``."""
-        if not self.staged(refit):
-            raise ReshardError(f"engine rank {self.rank}: adapter {self.name!r} refit {refit} is still being received")
-        job = self._job
-        assert job is not None and job.stats is not None
-        self._job = None
+        assert job.stats is not None
         path = lora_path(self.name, refit)
         self.owner.add(path, job.model)
-        return {
+        stats = {
             **job.stats.as_dict(),
+            "staged": True,
             "adapter": self.name,
             "lora_path": path,
             "lora_name": version_name(self.name, refit),
@@ -275,11 +274,13 @@ class AdapterReceiver:
             "refit_seconds": job.seconds,
             **self.owner.report(self.name),
         }
+        self._kept = (refit, stats)
+        return stats
 
     def _wait(self) -> None:
         """Let a staging thread still running (a failed refit winding down on
-        this rank) finish before the next refit starts; a refit staged and
-        never committed is dropped."""
+        this rank) finish before the next refit starts; a refit received that
+        no driver asked about is never kept."""
         job = self._job
         if job is not None and job.thread is not None and job.thread.is_alive():
             job.thread.join(timeout=self.receiver.session.config.timeout_s)

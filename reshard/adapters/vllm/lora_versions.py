@@ -11,11 +11,12 @@ when a step needs it kills the engine (vLLM 0.32 raises
 version alive, and a version leaves it only when no request names it.
 
 Who names it is the scheduler's to say, not the worker's (a waiting request
-has never reached a worker): the engine core answers reshard's retire call
-(:data:`RETIRE`) with the LoRA path of every request it holds, waiting,
-running or preempted (:func:`install_core_report`, a patch of the engine
-core's ``collective_rpc``), between two steps, so no step runs between the
-report and the drop. A worker that gets no report drops nothing.
+has never reached a worker): the engine core appends the LoRA path of every
+request it holds, waiting, running or preempted, to reshard's calls that
+retire versions (:data:`REPORTED`; :func:`install_core_report`, a patch of
+the engine core's ``collective_rpc``), which it runs between two steps, so
+no step runs between the report and the drop. A worker that gets no report
+drops nothing.
 
 Versions kept are bounded: a refit that would leave a worker more than
 ``max_versions`` versions of one adapter is refused on every rank before
@@ -36,8 +37,10 @@ if TYPE_CHECKING:
     from reshard.adapters.vllm.lora import AdapterReceiver
 
 __all__ = [
+    "REPORTED",
     "RETIRE",
     "SCHEME",
+    "STAGE",
     "WorkerAdapters",
     "install_core_report",
     "lora_path",
@@ -49,7 +52,10 @@ __all__ = [
 SCHEME = "reshard://"
 
 RETIRE = "reshard_lora_retire"
-"""The worker method the engine core passes its requests' LoRA paths to."""
+STAGE = "reshard_lora_stage"
+REPORTED = frozenset({RETIRE, STAGE})
+"""The worker methods (each retires versions first) the engine core appends
+its requests' LoRA paths to."""
 
 
 def lora_path(name: str, version: int) -> str:
@@ -88,7 +94,7 @@ def requests_by_version(scheduler: Any) -> dict[str, list[str]]:
 def install_core_report() -> bool:
     """Make vLLM's engine core (this process's ``EngineCore`` class) append
     its scheduler's :func:`requests_by_version`, as JSON, to the arguments of
-    every :data:`RETIRE` call it passes to its workers.
+    every call of a :data:`REPORTED` method it passes to its workers.
 
     The defect it answers: vLLM 0.32 tells nobody which adapters live
     requests use (``remove_lora`` removes an adapter a request still runs
@@ -107,7 +113,7 @@ def install_core_report() -> bool:
     original = cls.collective_rpc
 
     def collective_rpc(self: Any, method: Any, timeout: float | None = None, args: Any = (), kwargs: Any = None):
-        if method == RETIRE and getattr(self, "scheduler", None) is not None:
+        if method in REPORTED and getattr(self, "scheduler", None) is not None:
             args = (*args, json.dumps(requests_by_version(self.scheduler)))
         return original(self, method, timeout, args, kwargs)
 
