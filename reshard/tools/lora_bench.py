@@ -247,6 +247,11 @@ def _run(
                 t1 = time.perf_counter()
                 row["seconds"] = t1 - t0
             row.update(stream.stall(t0, t1))
+            if method == "adapter":
+                # Where the adapter-only stall is: receiving, or registering the version.
+                t_reg = t1 - max(float(r.stats["register_seconds"]) for r in replies)
+                row["stall_receiving"] = stream.stall(t0, t_reg)["paused_seconds"]
+                row["stall_registering"] = stream.stall(t_reg, t1)["paused_seconds"]
             # Prefixes cached before a merged refit were computed with the old
             # weights (with the stream running, vLLM would not drop them).
             if not llm.reset_prefix_cache():
@@ -383,6 +388,8 @@ def _summary(rows, tokens, kept, size_mb, tp, trainers, lora_rank, dtype, reps, 
     out["stream_covered"] = all(r["stream_covered"] for r in timed)
     held = [r for r in timed if r["method"] == "adapter"]
     out["version_bytes"] = max(r["version_bytes"] for r in held)
+    for k in ("stall_receiving", "stall_registering"):
+        out["methods"]["adapter"][k] = statistics.median(r[k] for r in held)
     out["versions_bytes"] = max(r["versions_bytes"] for r in held)
     out["adapter_tokens_equal_file_tokens"] = tokens.get("adapter") == tokens.get("adapter_file")
     out["rows"] = rows
@@ -407,7 +414,13 @@ def format_lora_result(res: dict[str, Any]) -> str:
         f"adapter-only takes {ms['merged']['median_seconds'] / a:.1f}x less time than a merged refit, "
         f"{ms['gather_broadcast']['median_seconds'] / a:.1f}x less than TRL's merge-gather-broadcast, "
         f"{ms['adapter_file']['median_seconds'] / a:.1f}x less than writing and loading the adapter file; "
-        f"it moves {ms['adapter']['moved_bytes'] / max(ms['merged']['moved_bytes'], 1):.4f}x the merged refit's bytes"
+        f"it moves {ms['adapter']['moved_bytes'] / max(ms['merged']['moved_bytes'], 1):.4f}x the merged refit's "
+        f"bytes and stalls the engine {ms['merged']['paused_seconds'] / ms['adapter']['paused_seconds']:.1f}x less"
+    )
+    ad = ms["adapter"]
+    lines.append(
+        f"adapter-only stall: {ad['stall_receiving']:.3f} s while the workers receive (the engine generating), "
+        f"{ad['stall_registering']:.3f} s while the version is registered"
     )
     lines.append(
         f"adapter-only: a version takes {res['version_bytes'] / 1e6:.2f} MB on each worker; the versions kept "

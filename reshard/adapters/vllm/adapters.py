@@ -154,12 +154,16 @@ class VllmAdapters:
         (:meth:`stage`, :meth:`staged` until every worker has it,
         :meth:`commit`); the engines keep generating throughout, but for the
         registration. A failure leaves the previous version serving."""
+        t0 = time.perf_counter()
         self.stage(refit, method=method)
         wait = self.poll_s / 4
         while not self.staged(refit):
             time.sleep(wait)
             wait = min(self.poll_s, wait * 2)
-        return self.commit(refit)
+        replies = self.commit(refit)
+        for r in replies:
+            r.stats["engine_seconds"] = time.perf_counter() - t0
+        return replies
 
     def stage(self, refit: int, *, method: str = "reshard") -> list[WorkerReply]:
         """Start every engine's workers receiving refit ``refit`` (trainer
@@ -204,12 +208,16 @@ class VllmAdapters:
         """Register staged refit ``refit`` on every engine (a version that
         cannot load fails the refit here; inside a generation step it would
         kill the engine), then hand it out; returns every worker's account
-        of the refit."""
+        of the refit (``register_seconds``: the registration, the only part
+        that stops the engines)."""
         if self._staging is None or self._staging[0] != refit or not self._staged:
             raise RuntimeError(f"adapter {self.name!r}: refit {refit} was not staged (or is still being received)")
         lora_id = self._staging[1]
         replies, self._staging, self._staged = self._staged, None, []
+        t0 = time.perf_counter()
         fan_out(self.engines, lambda e: _register(e, self.name, refit, lora_id), name="reshard-lora-register")
+        for r in replies:
+            r.stats["register_seconds"] = time.perf_counter() - t0
         self.versions.append((refit, lora_id))
         old, self.versions = self.versions[: -self.keep], self.versions[-self.keep :]
         for e in self.engines:
