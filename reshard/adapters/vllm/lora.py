@@ -8,17 +8,16 @@ keep, learned from vLLM's own slicing (each layer's ``slice_lora_a`` /
 its output dim, row-parallel ones ``A`` on its input dim, q/k/v and
 gate/up packed), so no worker holds a full copy and no file is written.
 
-Each refit of adapter ``name`` is a new *version*, received in two phases
-while the engine keeps generating (:meth:`AdapterReceiver.stage`: a thread
-of the worker receives into the adapter's buffers and builds vLLM's
-``LoRAModel`` from a copy of them, ``B`` scaled as vLLM scales it at load,
-in vLLM's LoRA dtype), then is kept
-(:meth:`AdapterReceiver.staged`, once it is done) in the worker's store under the path
-``reshard://<name>/<refit>``; vLLM's own loader serves those paths from the
-store, so vLLM registers, evicts and re-loads the version as it would a
-directory, and a base-weight refit (which resets vLLM's LoRA state) loses
-nothing. How long a version stays in the store, and how many may, is
-:mod:`reshard.adapters.vllm.lora_versions`'s.
+Each refit of adapter ``name`` is a new *version*, received while the
+engine keeps generating (:meth:`AdapterReceiver.stage`: a thread of the
+worker receives into the adapter's buffers and builds vLLM's ``LoRAModel``
+from a copy of them, ``B`` scaled as vLLM scales it at load, in vLLM's LoRA
+dtype), then kept (:meth:`AdapterReceiver.staged`, once it is done) in the
+worker's store under the path ``reshard://<name>/<refit>``; vLLM's own
+loader serves those paths from the store, so vLLM registers, evicts and
+re-loads the version as it would a directory, and a base-weight refit
+(which resets vLLM's LoRA state) loses nothing. How long a version stays in
+the store, and how many may, is :mod:`reshard.adapters.vllm.lora_versions`'s.
 
 The swap is atomic per request: a version gets its own name
 (``<name>@<refit>``), id and path; a driver hands requests the new
