@@ -22,6 +22,20 @@ changing its factors between refits and saving each version with PEFT's
   version's KV: each version's tokens are taken after the previous version
   generated for the same prompts, with prefix caching on.
 
+Then, in the same engine, a third adapter (``held``, ``keep=2``,
+``max_versions=4``) is refit five times while two long requests stream on
+its first two versions (the test steps the engine itself, so which request
+runs when is fixed, never a race): the request on version 1 runs across
+three refits and the one on version 2 across two, both finish with their
+version's tokens (those of the same engine with that version loaded from
+PEFT's files), each refit's new requests get the newest version, and the
+engine keeps generating while a refit is received (a trainer that waits
+for the engine's word before it pushes: the engine steps in between). A
+fifth version would take a fifth slot: the refit is refused on every rank
+before any byte moves, naming both requests, and the fourth keeps serving;
+once they finished, the refit goes through and every older version's
+tensors are released on every worker.
+
 And on a server, requests keep running while versions are refit in: every
 answer is the version it named, as the same server answers with that
 version loaded from its files.
@@ -34,7 +48,7 @@ import os
 import pytest
 
 from . import procs
-from .support import group_config
+from .support import group_config, wait_for
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
@@ -63,8 +77,22 @@ def _train(model, seed: int) -> None:
                 p.copy_(torch.randn(p.shape, generator=g).to(p.dtype) * (0.05 if ".lora_B." in n else 0.3))
 
 
+LONG = 100
+"""Tokens of the requests that stream across refits (the test takes about 60 steps with them)."""
+
+
+def _store(address: str):
+    import datetime
+
+    from torch.distributed import TCPStore
+
+    host, port = address.rsplit(":", 1)
+    return TCPStore(host, int(port), None, False, timeout=datetime.timedelta(seconds=procs.GROUP_TIMEOUT_S))
+
+
 def _trainer(address: str, path: str, root: str, tp: int) -> dict:
     from reshard import Sender
+    from reshard.errors import RefitError
     from reshard.sender.lora_adapter import LoraAdapter
 
     policies = {name: _policy(path, seed) for seed, name in enumerate(NAMES)}
@@ -82,7 +110,24 @@ def _trainer(address: str, path: str, root: str, tp: int) -> dict:
     published = {name: sorted(t.name for t in s.layout.tensors) for name, s in senders.items()}
     for s in senders.values():
         s.close()
-    return {"sent": sent, "published": published}
+    # The held adapter: versions 1-5; 3 only once the engine says so; 5 is refused once.
+    policy = _policy(path, 7)
+    sender = Sender(LoraAdapter(policy), config=group_config(address, 1, tp, job="held"), rank=0)
+    refused = None
+    for v in range(1, 6):
+        if v > 1:
+            _train(policy, 700 + v)
+        policy.save_pretrained(os.path.join(root, f"held-{v}"))
+        if v == 3:
+            _store(address).wait(["held/push/3"])
+        if v == 5:
+            try:
+                sender.push(v)
+            except RefitError as e:
+                refused = {"step": e.step, "error": str(e)}
+        sender.push(v)
+    sender.close()
+    return {"sent": sent, "published": published, "refused": refused}
 
 
 def _engine(address: str, path: str, root: str, tp: int) -> dict:
@@ -94,7 +139,8 @@ def _engine(address: str, path: str, root: str, tp: int) -> dict:
 
     from .vllm_support import lora_slot_digests
 
-    llm = offline_llm(path, tp, dtype="bfloat16", enable_lora=True, max_loras=2, max_lora_rank=8, max_cpu_loras=3)
+    # Three slots: two requests on old versions of ``held`` beside one on its newest.
+    llm = offline_llm(path, tp, dtype="bfloat16", enable_lora=True, max_loras=3, max_lora_rank=8, max_cpu_loras=3)
     out: dict = {"refits": []}
     try:
         specs = {name: AdapterSpec.parse(_spec(path)) for name in NAMES}
@@ -118,7 +164,7 @@ def _engine(address: str, path: str, root: str, tp: int) -> dict:
                     "kept": [int(r.stats["kept_bytes"]) for r in replies],
                     "lora_name": d.request().lora_name,
                 }
-                # Both versions sit in LoRA slots now (max_loras=2): what each
+                # Both versions sit in LoRA slots now: what each
                 # worker holds for ours, tensor by tensor, against the files' one.
                 slots = llm.collective_rpc(lora_slot_digests, args=([d.request().lora_int_id, disk_id],))
                 row["slots"] = [(s[d.request().lora_int_id], s[disk_id]) for s in slots]
@@ -127,9 +173,112 @@ def _engine(address: str, path: str, root: str, tp: int) -> dict:
                     row["previous"] = greedy(llm, lora_request=prev)
                 out["refits"].append(row)
         out["base"] = greedy(llm)
+        out["held"] = _held(llm, address, path, root, tp)
         out["engine_files"] = sorted(os.listdir(root))
     finally:
         shutdown(llm)
+    return out
+
+
+class _Steps:
+    """Requests the test steps the engine for itself (``LLM.generate`` would
+    run every request in the engine to its end)."""
+
+    def __init__(self, llm) -> None:
+        self.engine = llm.llm_engine
+        self.tokens: dict[str, list[int]] = {}
+        self.done: set[str] = set()
+        self.steps = 0
+
+    def add(self, rid: str, prompt: list[int], lora, max_tokens: int = 12) -> None:
+        from vllm import SamplingParams
+
+        sp = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+        self.engine.add_request(rid, {"prompt_token_ids": prompt}, sp, lora_request=lora)
+        self.tokens[rid] = []
+
+    def step(self) -> None:
+        self.steps += 1
+        for o in self.engine.step():
+            self.tokens[o.request_id] = list(o.outputs[0].token_ids)
+            if o.finished:
+                self.done.add(o.request_id)
+
+    def finish(self, *rids: str) -> None:
+        """Step until ``rids`` finished (each step moves every running request on)."""
+        while not self.done.issuperset(rids):
+            assert self.steps < 2000, f"{rids} never finished"
+            self.step()
+
+
+def _held(llm, address: str, path: str, root: str, tp: int) -> dict:
+    """Adapter ``held`` refit while requests stream on its old versions (see
+    the module docstring)."""
+    from vllm.lora.request import LoRARequest
+
+    from reshard.adapters.vllm.adapters import VllmAdapters
+    from reshard.errors import RefitError
+    from reshard.sender.lora_adapter import AdapterSpec
+    from reshard.testing.engines import PROMPTS, greedy
+
+    long_prompt, short = [3, 14, 15, 92, 65, 35], PROMPTS[1]
+    d = VllmAdapters([llm], "held", AdapterSpec.parse(_spec(path)), keep=2)
+    d.init(group_config(address, 1, tp, job="held"))
+    s = _Steps(llm)
+    out: dict = {"served": {}}
+
+    def serve(tag: str) -> None:
+        """A request on the newest version, run to its end beside the long ones."""
+        s.add(tag, short, d.request())
+        s.finish(tag)
+        out["served"][tag] = (d.request().lora_name, s.tokens[tag])
+
+    d.refit(1)
+    s.add("R1", long_prompt, d.request(), LONG)
+    s.step()
+    assert s.tokens["R1"], "R1 made no token in its first step"
+    d.refit(2)
+    s.add("R2", long_prompt, d.request(), LONG)
+    serve("S2")
+    # Refit 3 is received while the engine generates: the trainer pushes only
+    # once the engine stepped with the workers already in the refit.
+    d.stage(3)
+    before = len(s.tokens["R1"])
+    for _ in range(3):
+        s.step()
+    out["stepped_while_staging"] = len(s.tokens["R1"]) - before
+    out["staged_before_push"] = d.staged(3)
+    _store(address).set("held/push/3", "go")
+    wait_for(lambda: d.staged(3), procs.GROUP_TIMEOUT_S, "refit 3 received")
+    d.commit(3)
+    serve("S3")
+    d.refit(4)
+    serve("S4")
+    out["versions_after_4"] = [r.stats["versions"] for r in d.retire()]
+    out["held_after_4"] = {k: sorted(v) for k, v in d.held.items()}
+    # A fifth version would make five: refused, and the fourth keeps serving.
+    try:
+        d.refit(5)
+    except RefitError as e:
+        out["refused"] = {"step": e.step, "error": str(e)}
+    serve("S4-after-refusal")
+    out["long_unfinished_at_refusal"] = not {"R1", "R2"} & s.done
+    s.finish("R1", "R2")
+    d.refit(5)
+    serve("S5")
+    # The 3rd left the two newest at refit 5: freed at the next retire.
+    out["after"] = [
+        {k: r.stats[k] for k in ("versions", "alive", "held", "versions_bytes")} | {"kept": r.stats.get("kept_bytes")}
+        for r in d.retire()
+    ]
+    out["long"] = {rid: s.tokens[rid] for rid in ("R1", "R2")}
+    # What each version generates loaded from PEFT's files, alone in the engine.
+    out["disk_long"] = {}
+    out["disk_short"] = {}
+    for v in range(1, 6):
+        disk = LoRARequest(f"disk-held-{v}", 950 + v, os.path.join(root, f"held-{v}"))
+        out["disk_long"][v] = greedy(llm, [long_prompt], LONG, lora_request=disk)[0]
+        out["disk_short"][v] = greedy(llm, [short], lora_request=disk)[0]
     return out
 
 
@@ -185,11 +334,44 @@ def test_adapters_refit_into_lora_slots_slice_by_slice(tp, base, tmp_path):
     for names in trainer["published"].values():
         assert names and all(".lora_A.weight" in n or ".lora_B.weight" in n for n in names)
         assert all(n.startswith("base_model.model.") for n in names)
-    assert engine["engine_files"] == sorted(f"{n}-{s}" for s in (1, 2) for n in ("alpha", "beta"))
+    assert engine["engine_files"] == sorted(
+        [f"{n}-{s}" for s in (1, 2) for n in ("alpha", "beta")] + [f"held-{v}" for v in range(1, 6)]
+    )
     if tp == 2:
         # The sharded factors split between the workers: each receives less than
         # the trainer sent in all (a full copy).
         assert all(got < trainer["sent"][0] for got in rows[0]["received"])
+    _check_held(engine["held"], trainer["refused"], tp)
+
+
+def _check_held(held: dict, refused: dict | None, tp: int) -> None:
+    """Adapter ``held`` (see the module docstring)."""
+    # Each long request finished on its own version, three and two refits later.
+    assert held["long"]["R1"] == held["disk_long"][1], "R1 is not version 1's"
+    assert held["long"]["R2"] == held["disk_long"][2], "R2 is not version 2's"
+    assert held["disk_long"][1] != held["disk_long"][2]
+    # Every request after a refit got the newest version, and the fourth
+    # served on after the fifth was refused.
+    expect = {"S2": 2, "S3": 3, "S4": 4, "S4-after-refusal": 4, "S5": 5}
+    for tag, v in expect.items():
+        name, tokens = held["served"][tag]
+        assert name == f"held@{v}" and tokens == held["disk_short"][v], (tag, name)
+    # The engine generated while refit 3 was received (the trainer had not pushed).
+    assert held["stepped_while_staging"] == 3 and held["staged_before_push"] is False
+    after4 = held["held_after_4"]
+    assert sorted(after4) == ["held@1", "held@2"] and [len(v) for v in after4.values()] == [1, 1], after4
+    assert after4["held@1"][0].startswith("R1-") and after4["held@2"][0].startswith("R2-"), after4
+    assert held["versions_after_4"] == [["held@1", "held@2", "held@3", "held@4"]] * tp
+    # Refused on every rank before any byte moved, naming both requests.
+    assert held["long_unfinished_at_refusal"]
+    for err in (held["refused"], refused):
+        assert err is not None and err["step"] == "enter", err
+        assert "max_versions=4" in err["error"] and "held@5" in err["error"], err["error"]
+        assert "request(s) 'R1-" in err["error"] and "request(s) 'R2-" in err["error"], err["error"]
+    # Once they finished, only the two newest are held, and nothing else is alive.
+    for w in held["after"]:
+        assert w["versions"] == ["held@4", "held@5"] and w["alive"] == ["held@4", "held@5"], w
+        assert w["held"] == {} and w["versions_bytes"] == 2 * w["kept"], w
 
 
 def _server_trainer(rank: int, address: str, path: str, root: str, versions: int) -> list[int]:
@@ -213,7 +395,8 @@ def test_requests_running_through_refits_on_a_server_each_see_one_version(base, 
     versions are refit into it: every answer is one version's, the one the
     request named, as the same server answers with that version loaded
     from PEFT's files; a request started before a swap finishes on its
-    version."""
+    version; and its engine core reports who uses which version, so the
+    version that left the two newest is freed once no request names it."""
     import threading
 
     from reshard.adapters.vllm.adapters import VllmAdapters
@@ -238,7 +421,9 @@ def test_requests_running_through_refits_on_a_server_each_see_one_version(base, 
     stop = threading.Event()
     try:
         engine = HttpEngine(srv.url)
-        adapters = VllmAdapters([engine], "alpha", AdapterSpec.parse(_spec(base)), keep=versions)
+        # keep=2: a name taken before a refit is good for one more; each refit
+        # starts once an answer taken after the previous one arrived.
+        adapters = VllmAdapters([engine], "alpha", AdapterSpec.parse(_spec(base)), keep=2)
         trainer = procs.spawn(_server_trainer, 0, store.address, base, str(tmp_path), versions)
         adapters.init(group_config(store.address, 1, 1, job="served"))
         adapters.refit(1)
@@ -262,6 +447,11 @@ def test_requests_running_through_refits_on_a_server_each_see_one_version(base, 
         stop.set()
         asker.join(timeout=procs.GROUP_TIMEOUT_S)
         procs.check([trainer.outcome(procs.GROUP_TIMEOUT_S)])
+        # The server's engine core (a process of its own) reports its requests:
+        # with none running, the version that left the two newest is freed.
+        retired = [
+            (r.stats["reported"], r.stats["versions"], r.stats["alive"], r.stats["dropped"]) for r in adapters.retire()
+        ]
         reference = {}
         for v in range(1, versions + 1):
             engine.post_json("/v1/load_lora_adapter", {"lora_name": f"disk{v}", "lora_path": str(tmp_path / f"v{v}")})
@@ -273,3 +463,4 @@ def test_requests_running_through_refits_on_a_server_each_see_one_version(base, 
     for name, tokens in answers:
         assert tokens == reference[name], f"an answer of {name} is not that version's"
     assert len({tuple(map(tuple, t)) for t in reference.values()}) == versions
+    assert retired == [(True, ["alpha@2", "alpha@3"], ["alpha@2", "alpha@3"], ["alpha@1"])]

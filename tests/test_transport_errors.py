@@ -15,7 +15,7 @@ from reshard.errors import RefitError
 from reshard.plan.box import Box
 from reshard.plan.layout import TensorMeta
 from reshard.plan.specs import PieceSpec
-from reshard.receiver import Receiver
+from reshard.receiver import Receiver, Tensors
 from reshard.sender import Sender
 from reshard.transport.group import GroupConfig
 
@@ -80,6 +80,53 @@ def test_bad_layouts_fail_on_every_rank_before_any_byte_moves(case, needle):
         assert needle in r["error"], r["error"]
         assert "before" not in r or r["untouched"]
     assert all(r["untouched"] for r in results if "untouched" in r)
+
+
+def _refused(rank: int, address: str) -> dict:
+    """Rank 2 refuses refit 1 (an engine out of room for it), then takes it."""
+    cfg = group_config(address, 2, 2)
+    full = torch.arange(48, dtype=torch.float32).reshape(8, 6)
+    out: dict = {}
+    if rank < 2:
+        local = full[rank * 4 : rank * 4 + 4].clone()
+        sender = Sender.from_pieces(
+            [PieceSpec(W, Box((rank * 4, 0), (4, 6)), "w", (4, 6))], {"w": local}, config=cfg, rank=rank
+        )
+        try:
+            sender.push(1)
+        except RefitError as e:
+            out.update(error=str(e), step=e.step, agreed=e.agreed)
+        sender.push(1)
+        sender.close()
+        return out
+    j = rank - 2
+    dst = torch.zeros(8, 3)
+    receiver = Receiver({"w": dst}, [PieceSpec(W, Box((0, j * 3), (8, 3)), "w", (8, 3))], config=cfg, rank=rank)
+    try:
+        refuse = "no room for adapter version 1" if rank == 2 else ""
+        receiver.pull(1, into=Tensors({"w": dst}, refuse=refuse))
+    except RefitError as e:
+        out.update(error=str(e), step=e.step, agreed=e.agreed)
+    out["untouched"] = bool((dst == 0).all())
+    group = receiver.session.group
+    receiver.pull(1)
+    out["landed"] = bool(torch.equal(dst, full[:, j * 3 : j * 3 + 3]))
+    out["same_group"] = group is not None and receiver.session.group is group
+    receiver.close()
+    return out
+
+
+def test_a_refusing_rank_fails_every_rank_at_enter_before_any_byte_moves_and_the_group_stays():
+    """A rank whose tensors refuse the refit (``LocalTensors.refusal``): every rank raises the refusing rank's
+    reason at step ``enter`` (agreed), nothing lands, and the same refit
+    number then runs on the same group."""
+    server = procs.StoreServer()
+    results = procs.check(procs.run(_refused, 4, server.address, reuse=True))
+    for r in results:
+        assert r["step"] == "enter" and r["agreed"], r
+        assert "rank 2: no room for adapter version 1" in r["error"], r["error"]
+    for r in results[2:]:
+        assert r["untouched"] and r["landed"] and r["same_group"], r
 
 
 def _never_joins(rank: int, address: str) -> dict:

@@ -32,17 +32,24 @@ def offline_llm(
     *,
     extension: str | None = "reshard.adapters.vllm.ReshardWorkerExtension",
     dtype: str = "float32",
+    max_model_len: int = 128,
+    core_process: bool = False,
     **kwargs: Any,
 ):
-    """An offline ``LLM`` on ``path``: eager, a small KV cache, deterministic."""
+    """An offline ``LLM`` on ``path``: eager, a small KV cache, deterministic.
+    ``core_process``: the engine core runs in a process of its own and steps
+    on its own, as a server's does (a thread of this process streams its
+    outputs while another calls into it: benchmarks measure its stalls)."""
     engine_env(tp)
+    if core_process:
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
     from vllm import LLM
 
     return LLM(
         model=str(path),
         dtype=dtype,  # type: ignore[arg-type]
         enforce_eager=True,
-        max_model_len=128,
+        max_model_len=max_model_len,
         block_size=32,
         max_num_seqs=4,
         tensor_parallel_size=tp,

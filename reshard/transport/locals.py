@@ -13,6 +13,8 @@ never adds a hook to a shared signature.
 Call order, per refit, on the tensors of the rank's role (a trainer rank's
 sources, an engine worker's destinations: ``Receiver.pull(n, into=...)``):
 
+0. :meth:`LocalTensors.refusal` before the refit is entered: a reason fails
+   it on every rank at step ``enter``, before any byte moves;
 1. :meth:`LocalTensors.begin` once every rank agreed on the plan, before
    the first byte moves on this rank (raising fails the refit on every rank
    before anything is written);
@@ -68,6 +70,13 @@ class LocalTensors(Mapping):
             return self.resolve(name).device
         return None
 
+    def refusal(self, refit: int) -> str:
+        """0. Why this rank cannot take refit ``refit`` (an engine out of room
+        for another version; ``""``: it can). Asked before the ``enter``
+        step: a refusal fails the refit on every rank there, before any byte
+        moves, and the group stays for the next one."""
+        return ""
+
     def begin(self, plan: RankPlan | None) -> None:
         """1. Every rank agreed on ``plan`` (``None``: a gather-and-broadcast,
         which has no plan of reshard's and no rounds); no byte has moved on
@@ -89,11 +98,16 @@ class LocalTensors(Mapping):
 
 
 class Tensors(LocalTensors):
-    """A mapping of tensors as :class:`LocalTensors`, with no lifecycle."""
+    """A mapping of tensors as :class:`LocalTensors`, with no lifecycle
+    (``refuse``: why this rank cannot take the refit, see :meth:`refusal`)."""
 
-    def __init__(self, tensors: Mapping[str, Any], *, private: bool = False) -> None:
+    def __init__(self, tensors: Mapping[str, Any], *, private: bool = False, refuse: str = "") -> None:
         self.tensors = tensors
         self.private = private
+        self.refuse = refuse
+
+    def refusal(self, refit: int) -> str:
+        return self.refuse
 
     def resolve(self, name: str) -> torch.Tensor:
         return self.tensors[name]

@@ -10,6 +10,9 @@ Shared by :class:`reshard.Sender` (trainer ranks) and
    0. agree on step ``enter``: every rank runs the same refit number, newer
       than the last one that succeeded on any rank; otherwise every rank
       raises :class:`RefitError` (step ``version``) before any byte moves.
+      A rank that cannot take the refit (``LocalTensors.refusal``: an engine out of room
+      for it) makes every rank raise :class:`RefitError` (step ``enter``)
+      with its reason, before any byte moves.
       A rank whose group another rank rebuilt (a newer epoch) rejoins first.
       The ``enter`` statuses carry every rank's layout digest: a rank whose
       layout changed since the others last read it (:meth:`set_layout`)
@@ -329,8 +332,9 @@ class RefitSession:
 
     # -- 2. refit --------------------------------------------------------------
 
-    def _enter(self, refit: int) -> RefitGroup:
-        """Step 0 (see the module docstring): returns the group to run on."""
+    def _enter(self, refit: int, refuse: str = "") -> RefitGroup:
+        """Step 0 (see the module docstring): returns the group to run on.
+        ``refuse``: why this rank cannot take the refit (every rank raises it)."""
         for _ in range(_REJOINS):
             if self.group is None:
                 self.connect()
@@ -341,7 +345,13 @@ class RefitSession:
                     raise EpochMoved("enter", {self.rank: "the refit group was rebuilt by another rank"})
                 group.begin()
                 status = wire.Status(
-                    rank=self.rank, step="enter", refit=refit, ok=True, last_refit=self.last_refit, layout=self._digest
+                    rank=self.rank,
+                    step="enter",
+                    refit=refit,
+                    ok=not refuse,
+                    error=refuse or "",
+                    last_refit=self.last_refit,
+                    layout=self._digest,
                 )
                 statuses = group.agree("enter", refit, status, peers=(), common=self._enter_common(refit))
                 break
@@ -401,7 +411,7 @@ class RefitSession:
         started_at = time.time()
         tensors = self._refit_tensors(into)
         with self._attempt(refit):
-            group = self._enter(refit)
+            group = self._enter(refit, tensors.refusal(refit))
             with on_device(group.device):
                 enter_s = time.perf_counter() - t0
                 exports = self.exports.publish(group, self.config, tensors, group.device, lambda: self._planned()[0])
@@ -713,7 +723,7 @@ class RefitSession:
         # Gather-and-broadcast leaves snapshots behind what receivers hold.
         self.delta.void(f"refit {refit} is a gather-and-broadcast")
         with self._attempt(refit):
-            group = self._enter(refit)
+            group = self._enter(refit, tensors.refusal(refit))
             # Buckets must cut alike on every rank: the smallest budget of any rank.
             bucket_bytes = bucket_bytes or min(self.budgets.values(), default=0) or self.budget_bytes
             with on_device(group.device):

@@ -278,6 +278,17 @@ class EngineStats(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     lora_path: str = ""
     lora_name: str = ""
     lora_int_id: int = 0
+    versions: list[str] = []
+    """The adapter's versions this worker holds (``name@refit``)."""
+    versions_bytes: int = 0
+    """Their bytes on this worker."""
+    held: dict[str, list[str]] = {}
+    """Versions no longer handed out that requests still use, with their ids."""
+    alive: list[str] = []
+    """Every version whose tensors are still alive in the worker's process."""
+    register_seconds: float = 0.0
+    """The registration of a new version with the engines (the only part of
+    an adapter-only refit that stops them)."""
     # -- the driver -------------------------------------------------------------------
     paused_seconds: float | None = None
     """How long the engine's generation was paused (``None``: not reported)."""

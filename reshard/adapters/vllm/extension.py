@@ -25,9 +25,16 @@ strings only:
   ``reshard_lora_init(spec, name, adapter)`` learns the slices of adapter
   ``name`` (``adapter``: an :class:`reshard.sender.lora_adapter.AdapterSpec`
   as JSON) this worker's LoRA layers keep, in refit group ``spec``;
-  ``reshard_lora_pull(name, refit, lora_id)`` receives refit ``refit`` of it
-  and keeps it as a version vLLM loads from ``reshard://<name>/<refit>``;
-  ``reshard_lora_drop(paths)`` forgets versions.
+  ``reshard_lora_retire(name, keep)`` drops the versions not in ``keep``
+  (JSON list of paths) that no request names, which the engine core reports
+  by appending an argument (:mod:`reshard.adapters.vllm.lora_versions`);
+  ``reshard_lora_stage(name, refit, lora_id, method, max_versions, keep)``
+  retires so, then starts receiving refit ``refit`` of the adapter in a
+  thread of the worker and returns at once (the engine keeps generating; a
+  worker that holds ``max_versions`` versions refuses the refit on every
+  rank); ``reshard_lora_staged(name, refit)`` says whether it is done, and
+  once it is, keeps it as a version vLLM loads from
+  ``reshard://<name>/<refit>``.
 - ``reshard_status()``, ``reshard_stats()``, ``reshard_close()``.
 - ``reshard_state(probe=True)``: a digest of every tensor the model's
   forward pass may read (parameters, buffers, tensors derived at load time
@@ -181,7 +188,7 @@ class ReshardWorkerExtension:
     # -- adapter-only refits --------------------------------------------------
 
     def _reshard_loras(self):
-        from reshard.adapters.vllm.lora import WorkerAdapters
+        from reshard.adapters.vllm.lora_versions import WorkerAdapters
 
         loras = getattr(self, "_reshard_adapters", None)
         if loras is None:
@@ -215,26 +222,42 @@ class ReshardWorkerExtension:
         except BaseException as e:
             return failure(e).to_builtins()
 
-    def reshard_lora_pull(self, name: str, refit: int | str, lora_id: int | str, method: str = "reshard") -> dict:
+    def _lora_call(self, name: str, fn) -> dict[str, Any]:
+        """``fn(adapter receiver of name)``'s stats as a reply (a failure reply if it raised)."""
         loras = getattr(self, "_reshard_adapters", None)
         receiver = loras.receivers.get(name) if loras is not None else None
         try:
             if receiver is None:
                 raise RuntimeError(f"call reshard_lora_init for adapter {name!r} first")
-            stats = receiver.pull(int(refit), int(lora_id), method=method)
-            return WorkerReply(ok=True, rank=receiver.rank, stats=stats).to_builtins()
+            return WorkerReply(ok=True, rank=receiver.rank, stats=fn(receiver)).to_builtins()
         except BaseException as e:
             return failure(e, rank=receiver.rank if receiver is not None else -1).to_builtins()
 
-    def reshard_lora_drop(self, paths: str | list[str]) -> dict[str, Any]:
-        import json
+    def reshard_lora_stage(
+        self,
+        name: str,
+        refit: int | str,
+        lora_id: int | str,
+        method: str = "reshard",
+        max_versions: int | str = 4,
+        keep: str | list[str] = "[]",
+        users: str | None = None,
+    ) -> dict[str, Any]:
+        """Retire (as :meth:`reshard_lora_retire`), then start receiving."""
 
-        try:
-            listed = json.loads(paths) if isinstance(paths, str) else list(paths)
-            dropped = self._reshard_loras().drop([str(p) for p in listed])
-            return WorkerReply(ok=True, stats={"dropped": dropped}).to_builtins()
-        except BaseException as e:
-            return failure(e).to_builtins()
+        def stage(r: Any) -> dict[str, Any]:
+            retired = _retire(r, name, keep, users)
+            return {**r.stage(int(refit), int(lora_id), method=method, max_versions=int(max_versions)), **retired}
+
+        return self._lora_call(name, stage)
+
+    def reshard_lora_staged(self, name: str, refit: int | str) -> dict[str, Any]:
+        return self._lora_call(name, lambda r: r.staged(int(refit)))
+
+    def reshard_lora_retire(self, name: str, keep: str | list[str], users: str | None = None) -> dict[str, Any]:
+        """``users``: appended by the engine core (its scheduler's requests by
+        LoRA path, JSON); without it nothing is dropped."""
+        return self._lora_call(name, lambda r: _retire(r, name, keep, users))
 
     def reshard_stats(self) -> dict[str, Any]:
         r = getattr(self, "_reshard", None)
@@ -248,3 +271,11 @@ class ReshardWorkerExtension:
         loras = getattr(self, "_reshard_adapters", None)
         if loras is not None:
             loras.close()
+
+
+def _retire(receiver: Any, name: str, keep: str | list[str], users: str | None) -> dict[str, Any]:
+    import json
+
+    listed = json.loads(keep) if isinstance(keep, str) else list(keep)
+    report = json.loads(users) if users is not None else None
+    return {**receiver.owner.retire(name, [str(p) for p in listed], report), "kept_bytes": receiver.kept_bytes}

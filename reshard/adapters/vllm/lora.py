@@ -8,36 +8,38 @@ keep, learned from vLLM's own slicing (each layer's ``slice_lora_a`` /
 its output dim, row-parallel ones ``A`` on its input dim, q/k/v and
 gate/up packed), so no worker holds a full copy and no file is written.
 
-Each refit of adapter ``name`` is a new *version*: the worker builds vLLM's
-``LoRAModel`` from its slices (``B`` scaled as vLLM scales it at load, in
-vLLM's LoRA dtype), and keeps it in a per-worker store under the path
-``reshard://<name>/<refit>``; vLLM's own loader serves those paths from the
-store (an instance patch of the worker's ``_load_adapter``), so vLLM
-registers, evicts and re-loads the version as it would a directory, and a
-base-weight refit (which resets vLLM's LoRA state) loses nothing.
+Each refit of adapter ``name`` is a new *version*, received while the
+engine keeps generating (:meth:`AdapterReceiver.stage`: a thread of the
+worker receives into the adapter's buffers and builds vLLM's ``LoRAModel``
+from a copy of them, ``B`` scaled as vLLM scales it at load, in vLLM's LoRA
+dtype), then kept (:meth:`AdapterReceiver.staged`, once it is done) in the
+worker's store under the path ``reshard://<name>/<refit>``; vLLM's own
+loader serves those paths from the store, so vLLM registers, evicts and
+re-loads the version as it would a directory, and a base-weight refit
+(which resets vLLM's LoRA state) loses nothing. How long a version stays in
+the store, and how many may, is :mod:`reshard.adapters.vllm.lora_versions`'s.
 
 The swap is atomic per request: a version gets its own name
 (``<name>@<refit>``), id and path; a driver hands requests the new
 ``LoRARequest`` once every worker holds the version, requests in flight keep
 the one they started with, and vLLM's prefix cache, keyed by LoRA name and
-path, never serves KV computed with another version. (vLLM 0.32 batches
-requests by LoRA name: two ids under one name in a batch would kill the
-engine, hence one name per version.) A failed refit registers nothing: the
-old version keeps serving. Old versions leave the store when the driver
-retires them (:class:`reshard.adapters.vllm.adapters.VllmAdapters`).
+path, never serves KV computed with another version. A failed refit keeps
+nothing: the old version keeps serving.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from reshard.adapters.vllm.lora_versions import WorkerAdapters, lora_path, presliced, version_name
 from reshard.errors import ReshardError
 from reshard.plan.box import Box
 from reshard.plan.layout import TensorMeta
 from reshard.plan.specs import PieceSpec
-from reshard.receiver import Receiver
+from reshard.receiver import Receiver, Tensors
 from reshard.sender.lora_adapter import AdapterSpec
 from reshard.transport.group import GroupConfig
 from reshard.transport.session import DEFAULT_BUDGET_BYTES
@@ -46,111 +48,23 @@ from reshard.transport.stats import EngineStats
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["SCHEME", "AdapterReceiver", "WorkerAdapters", "lora_path", "version_name"]
-
-SCHEME = "reshard://"
-
-
-def lora_path(name: str, version: int) -> str:
-    """The path vLLM knows version ``version`` of adapter ``name`` by."""
-    return f"{SCHEME}{name}/{version}"
-
-
-def version_name(name: str, version: int) -> str:
-    """The LoRA name of a version (one per version: see the module docstring)."""
-    return f"{name}@{version}"
-
-
-# -- the worker's store ---------------------------------------------------------------
-
-
-class WorkerAdapters:
-    """One vLLM worker's adapters refit by reshard: the store of versions its
-    LoRA manager loads ``reshard://`` paths from, and a receiver per adapter."""
-
-    def __init__(self, runner: Any) -> None:
-        wm = getattr(runner, "lora_manager", None)
-        if wm is None or not hasattr(wm, "_adapter_manager"):
-            raise ReshardError("this vLLM engine runs without LoRA: start it with enable_lora=True (--enable-lora)")
-        self.wm = wm
-        self.mgr = wm._adapter_manager
-        self.store: dict[str, Any] = {}
-        self.receivers: dict[str, AdapterReceiver] = {}
-        self.loads = 0
-        """Versions vLLM loaded from the store (a version evicted and used again loads again)."""
-        self._install()
-
-    def _install(self) -> None:
-        """Patch this worker's LoRA manager (its instance only, once)."""
-        if getattr(self.wm, "_reshard_adapters", None) is not None:
-            self.wm._reshard_adapters = self
-            return
-        wm, mgr = self.wm, self.mgr
-        original_load = wm._load_adapter
-        original_activate = mgr.activate_adapter
-
-        def load_adapter(request: Any) -> Any:
-            path = str(getattr(request, "lora_path", "") or "")
-            if not path.startswith(SCHEME):
-                return original_load(request)
-            owner = wm._reshard_adapters
-            model = owner.store.get(path)
-            if model is None:
-                from vllm.exceptions import LoRAAdapterNotFoundError
-
-                raise LoRAAdapterNotFoundError(request.lora_name, path)
-            owner.loads += 1
-            return model if model.id == request.lora_int_id else model.clone(request.lora_int_id)
-
-        def activate_adapter(lora_id: int) -> bool:
-            model = mgr._registered_adapters.cache.get(lora_id)
-            if not isinstance(model, _presliced()):
-                return original_activate(lora_id)
-            # Its tensors are this worker's slices already: set_lora must not cut them again.
-            for m in mgr.modules.values():
-                m.slice_lora_a = _same
-                m.slice_lora_b = _same
-            try:
-                return original_activate(lora_id)
-            finally:
-                for m in mgr.modules.values():
-                    del m.slice_lora_a
-                    del m.slice_lora_b
-
-        wm._load_adapter = load_adapter
-        mgr.activate_adapter = activate_adapter
-        wm._reshard_adapters = self
-
-    def drop(self, paths: list[str]) -> list[str]:
-        """Forget versions (their paths); vLLM keeps those it holds until it evicts them."""
-        return [p for p in paths if self.store.pop(p, None) is not None]
-
-    def close(self) -> None:
-        for r in self.receivers.values():
-            r.close()
-        self.receivers.clear()
-
-
-def _same(x: Any) -> Any:
-    return x
-
-
-_PRESLICED: list[type] = []
-
-
-def _presliced() -> type:
-    """vLLM's ``LoRAModel``, marked as holding one worker's slices."""
-    if not _PRESLICED:
-        from vllm.lora.lora_model import LoRAModel
-
-        class PreslicedLoRAModel(LoRAModel):
-            """A LoRA model whose tensors are already this worker's slices."""
-
-        _PRESLICED.append(PreslicedLoRAModel)
-    return _PRESLICED[0]
+__all__ = ["AdapterReceiver"]
 
 
 # -- one adapter on one worker -----------------------------------------------------------
+
+
+@dataclass(slots=True)
+class _Job:
+    """One refit of an adapter being received, in a thread of its own."""
+
+    refit: int
+    lora_id: int
+    thread: threading.Thread | None = None
+    stats: Any = None
+    model: Any = None
+    error: BaseException | None = None
+    seconds: float = 0.0
 
 
 @dataclass(slots=True)
@@ -295,30 +209,94 @@ class AdapterReceiver:
             self.buffers, pieces, config=config, rank=rank, device=device, budget_bytes=budget_bytes
         )
         self.kept_bytes = sum(t.nbytes for t in self.buffers.values())
+        """Bytes of one version on this worker (its slices of every factor)."""
+        self._pinned = torch.device(device).type == "cuda"
+        self._job: _Job | None = None
+        self._kept: tuple[int, dict[str, Any]] | None = None
+        """The last refit kept, and its stats (a driver may ask again)."""
 
-    def pull(self, refit: int, lora_id: int, *, method: str = "reshard") -> dict[str, Any]:
-        """Receive refit ``refit`` of the adapter and keep it as version
-        ``refit`` with vLLM id ``lora_id``; the engine serves nothing new
-        until a driver hands out the version's ``LoRARequest``."""
-        t0 = time.perf_counter()
-        stats = self.receiver.pull(refit, method=method)
-        model = self._build(lora_id)
+    def stage(self, refit: int, lora_id: int, *, method: str = "reshard", max_versions: int) -> dict[str, Any]:
+        """Start receiving refit ``refit`` of the adapter, in a thread of this
+        worker, as version ``refit`` with vLLM id ``lora_id``, and return at
+        once: the engine keeps generating meanwhile (nothing it serves is
+        written). If this worker already holds ``max_versions`` versions
+        (:meth:`WorkerAdapters.room`), the refit is refused on every rank
+        before any byte moves. :meth:`staged` says when it is done."""
+        self._wait()
+        refuse = self.owner.room(self.name, max_versions, refit)
+        job = _Job(refit, lora_id)
+
+        def run() -> None:
+            t0 = time.perf_counter()
+            try:
+                job.stats = self.receiver.pull(refit, method=method, into=Tensors(self.buffers, refuse=refuse or ""))
+                job.model = self._build(lora_id)
+            except BaseException as e:  # reported by staged
+                job.error = e
+            job.seconds = time.perf_counter() - t0
+
+        job.thread = threading.Thread(target=run, name=f"reshard-lora-{self.name}-{refit}", daemon=True)
+        self._job = job
+        job.thread.start()
+        return {"staging": refit, "refused": refuse is not None}
+
+    def staged(self, refit: int) -> dict[str, Any]:
+        """``{"staged": False}`` while refit ``refit`` is being received; once
+        it is received and built, keeps it as a version vLLM loads from
+        ``reshard://<name>/<refit>`` (the engine serves nothing new until a
+        driver hands out its ``LoRARequest``) and returns its stats with
+        ``"staged": True``. Raises the refit's error if it failed (nothing
+        is kept)."""
+        if self._kept is not None and self._kept[0] == refit:
+            return self._kept[1]
+        job = self._job
+        if job is None or job.refit != refit:
+            raise ReshardError(
+                f"engine rank {self.rank}: adapter {self.name!r} refit {refit} was never staged"
+                + (f" (refit {job.refit} was)" if job is not None else "")
+            )
+        if job.thread is not None and job.thread.is_alive():
+            return {"staged": False}
+        self._job = None
+        if job.error is not None:
+            raise job.error
+        assert job.stats is not None
         path = lora_path(self.name, refit)
-        self.owner.store[path] = model
-        return EngineStats.of_refit(
-            stats,
+        self.owner.add(path, job.model)
+        stats = EngineStats.of_refit(
+            job.stats,
+            staged=True,
             adapter=self.name,
             lora_path=path,
             lora_name=version_name(self.name, refit),
-            lora_int_id=lora_id,
+            lora_int_id=job.lora_id,
             kept_bytes=self.kept_bytes,
-            refit_seconds=time.perf_counter() - t0,
+            stage_seconds=job.seconds,
+            refit_seconds=job.seconds,
+            **self.owner.report(self.name),
         ).to_builtins()
+        self._kept = (refit, stats)
+        return stats
+
+    def _wait(self) -> None:
+        """Let a staging thread still running (a failed refit winding down on
+        this rank) finish before the next refit starts; a refit received that
+        no driver asked about is never kept."""
+        job = self._job
+        if job is not None and job.thread is not None and job.thread.is_alive():
+            job.thread.join(timeout=self.receiver.config.timeout_s)
+            if job.thread.is_alive():
+                raise ReshardError(
+                    f"engine rank {self.rank}: adapter {self.name!r} refit {job.refit} is still being received"
+                )
+        self._job = None
 
     def _build(self, lora_id: int) -> Any:
-        """vLLM's ``LoRAModel`` of what the buffers hold (copies: the next refit
-        writes the buffers while this version may still serve), ``B`` scaled as
-        vLLM's loader scales it (in its LoRA dtype, in place)."""
+        """vLLM's ``LoRAModel`` of what the buffers hold, ``B`` scaled as vLLM's
+        loader scales it (in its LoRA dtype, in place). Copies: the next refit
+        writes the buffers while this version may still serve. They are kept
+        where vLLM's own loader keeps an adapter it loaded (host memory,
+        pinned when the worker runs on a GPU; its slots are filled from there)."""
         from vllm.lora.lora_weights import LoRALayerWeights, PackedLoRALayerWeights
 
         loras: dict[str, Any] = {}
@@ -333,9 +311,9 @@ class AdapterReceiver:
                     b_list.append(None)
                     alphas.append(None)
                     continue
-                b = self.buffers[sl.b].clone()
+                b = self._copy(self.buffers[sl.b])
                 b *= sl.scaling
-                a_list.append(self.buffers[sl.a].clone())
+                a_list.append(self._copy(self.buffers[sl.a]))
                 b_list.append(b)
                 alphas.append(sl.alpha)
                 rank = max(rank, sl.rank)
@@ -355,10 +333,20 @@ class AdapterReceiver:
                 a0, b0 = a_list[0], b_list[0]
                 assert a0 is not None and b0 is not None  # a module of one slice is adapted or skipped
                 loras[mod.name] = LoRALayerWeights(mod.name, first.rank, first.alpha, a0, b0, scaling=1.0)
-        return _presliced()(lora_id, rank, loras)
+        return presliced()(lora_id, rank, loras)
+
+    def _copy(self, t: torch.Tensor) -> torch.Tensor:
+        import torch
+
+        out = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=self._pinned)
+        out.copy_(t)
+        return out
 
     def close(self) -> None:
+        job, self._job = self._job, None
         self.receiver.close()
+        if job is not None and job.thread is not None:
+            job.thread.join(timeout=5)
 
 
 def _slice(m: Any, packed: bool, a: list, b: list) -> tuple[list, list]:

@@ -1,4 +1,5 @@
-"""The ``vllm.general_plugins`` entry point: registers the ``reshard`` backend.
+"""The ``vllm.general_plugins`` entry point: registers the ``reshard`` backend
+and makes an engine core report which adapter versions its requests use.
 
 vLLM loads general plugins in the API server, the engine core and every
 worker, before the model is built; after that
@@ -7,7 +8,9 @@ worker, before the model is built; after that
 ``WeightTransferTrainerFactory`` knows the trainer side. A trainer process
 that never starts an engine does not load plugins: importing
 :mod:`reshard.adapters.vllm.backend` (for ``ReshardTrainerInitInfo``)
-registers the backend there.
+registers the backend there. In the engine core's process the plugin
+installs the report adapter-only refits retire old versions by
+(:func:`reshard.adapters.vllm.lora_versions.install_core_report`).
 """
 
 from __future__ import annotations
@@ -27,6 +30,9 @@ def register() -> None:
     trainer_registry = getattr(WeightTransferTrainerFactory, "_registry", {})
     if "reshard" not in trainer_registry:
         WeightTransferTrainerFactory.register_engine("reshard", "reshard.adapters.vllm.backend", "ReshardTrainerEngine")
+    from reshard.adapters.vllm.lora_versions import install_core_report
+
+    install_core_report()
     _init_cpu_amx()
 
 
