@@ -428,11 +428,11 @@ def ipc_same_process(cpu: bool = False) -> tuple[bool, str]:
     return ok, f"trainer rank and engine worker in one process: {errors or out}"
 
 
-def ipc_expandable(cpu: bool = False) -> tuple[bool, str]:
-    """The colocated case with the trainers on expandable segments."""
+def ipc_expandable(colocated: Any, cpu: bool = False) -> tuple[bool, str]:
+    """The colocated case (``colocated``: ``gpu_check.colocated``) with the
+    trainers on expandable segments."""
     os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"  # the spawned ranks inherit it
     import torch
-    from gpu_check import colocated  # (benchmarks/ is the script's own folder)
 
     report, ok = colocated(torch, refits=3, device="cpu" if cpu else "cuda", layers=2)
     if ok:

@@ -242,7 +242,7 @@ def _cases() -> dict[str, tuple[Callable[..., tuple[bool, str]], bool, int, str]
         "executor_cpu_destination": (functools.partial(c.executor, "cpu_destination"), True, 90, "pass"),
         "ipc_same_process": (c.ipc_same_process, True, 90, "pass"),
         "colocated": (_colocated_case, True, 180, "pass"),
-        "ipc_expandable": (c.ipc_expandable, False, 180, "pass"),
+        "ipc_expandable": (functools.partial(c.ipc_expandable, colocated), False, 180, "pass"),
     }
 
 

@@ -29,12 +29,9 @@ from __future__ import annotations
 import json
 import sys
 import weakref
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from reshard.errors import ReshardError
-
-if TYPE_CHECKING:
-    from reshard.adapters.vllm.lora import AdapterReceiver
 
 __all__ = [
     "REPORTED",
@@ -138,7 +135,9 @@ class WorkerAdapters:
         self.wm = wm
         self.mgr = wm._adapter_manager
         self.store: dict[str, Any] = {}
-        self.receivers: dict[str, AdapterReceiver] = {}
+        self.receivers: dict[str, Any] = {}
+        """Per adapter, its receiver on this worker (``lora.AdapterReceiver``,
+        which builds on this module: not imported here)."""
         self.loads = 0
         """Versions vLLM loaded from the store (a version evicted and used again loads again)."""
         self.ids: dict[str, set[int]] = {}
