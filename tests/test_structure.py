@@ -19,6 +19,13 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1] / "reshard"
 
+ENGINES = ("vllm", "sglang", "megatron")
+"""Every engine (or trainer framework) an adapter serves, by its import name:
+``reshard/adapters/<name>``, imported lazily (docs/architecture.md: a new
+engine adds its name here)."""
+FRAMEWORKS = ("trl", "verl", "openrlhf")
+"""Every RL framework with a drop-in, by its import name: ``reshard/integrations/<name>.py``."""
+
 LAYERS = {
     "errors": 0,
     "plan": 1,
@@ -190,7 +197,7 @@ def test_no_import_cycles_between_modules():
 
 def test_the_pure_layers_import_no_engine_and_no_torch_at_module_level():
     modules = _modules()
-    heavy = ("torch", "vllm", "sglang", "megatron", "transformers", "ray")
+    heavy = ("torch", "transformers", "ray", *ENGINES)
     bad = []
     for mod, path in modules.items():
         if _package(mod) not in ("errors", "plan", "models", "costmodel", "transport", "sender", "receiver"):
@@ -204,8 +211,7 @@ def test_the_pure_layers_import_no_engine_and_no_torch_at_module_level():
 def test_the_integrations_import_no_framework_and_no_engine_at_module_level():
     """``import reshard.integrations.<framework>`` works without the framework."""
     modules = _modules()
-    heavy = ("torch", "vllm", "sglang", "megatron", "transformers", "ray", "trl", "verl", "openrlhf")
-    heavy += ("accelerate", "deepspeed")
+    heavy = ("torch", "transformers", "ray", "accelerate", "deepspeed", *ENGINES, *FRAMEWORKS)
     bad = []
     for mod, path in modules.items():
         if _package(mod) != "integrations":
@@ -219,3 +225,47 @@ def test_the_integrations_import_no_framework_and_no_engine_at_module_level():
                     if sub_top and sub.split(".")[0] in heavy:
                         bad.append(f"{mod} imports {imported}, which imports {sub} at module level")
     assert not bad, "\n".join(bad)
+
+
+# -- the recipes of docs/architecture.md -------------------------------------------------
+
+_DOC_ROOTS = ("tests/", "docs/", "scripts/", "requirements/", "benchmarks/", "examples/")
+_ROOT_FILES = ("pyproject.toml", "Makefile", "README.md")
+
+
+def _recipe_paths() -> list[str]:
+    """The paths named by "Where each kind of change goes" (docs/architecture.md)."""
+    import re
+
+    doc = (ROOT.parent / "docs" / "architecture.md").read_text()
+    section = doc.split("## Where each kind of change goes", 1)[1].split("\n## ", 1)[0]
+    table = "\n".join(line for line in section.splitlines() if line.startswith("|"))
+    out = []
+    for token in re.findall(r"`([^`]+)`", table):
+        if "<name>" in token or " " in token:
+            continue
+        if token in _ROOT_FILES or token.endswith((".py", ".md", ".toml", ".sh", ".txt")) or token.endswith("/"):
+            out.append(token)
+    return out
+
+
+def test_every_file_the_recipes_name_exists():
+    """A recipe that names a file that moved sends a newcomer to the wrong room."""
+    paths = _recipe_paths()
+    assert len(paths) > 20, paths
+    missing = []
+    for p in paths:
+        base = ROOT.parent if p.startswith(_DOC_ROOTS) or p in _ROOT_FILES else ROOT
+        if not (base / p).exists():
+            missing.append(p)
+    assert missing == [], missing
+
+
+def test_the_registries_the_recipes_name_hold_every_engine_and_framework():
+    """A new engine's adapter, or a new framework's drop-in, is named in
+    the lists the layering checks read (the recipes say so)."""
+    adapters = {p.stem if p.is_file() else p.name for p in (ROOT / "adapters").iterdir()}
+    adapters -= {"core", "__init__", "__pycache__"}
+    assert adapters == set(ENGINES)
+    drop_ins = {p.stem for p in (ROOT / "integrations").glob("*.py")} - {"__init__", "framework", "verl_backend"}
+    assert drop_ins == set(FRAMEWORKS)

@@ -403,8 +403,7 @@ class ReshardTrainerEngine(TrainerWeightTransferEngine[ReshardTrainerInitInfo]):
         self.two_phase = init_info.two_phase
         self.pause_mode = init_info.pause_mode or _server_pause_mode(self.client)
         if self.is_sender:
-            spec = GroupSpec.of(cfg, **init_info.worker_init)
-            worker = {k: v for k, v in msgspec.to_builtins(spec).items() if k not in ("token", "version")}
+            worker = GroupSpec.of(cfg, **init_info.worker_init).init_info()
             # The store lives in this process; create it before the workers dial in.
             serve_store(cfg)
             self.client.init_weight_transfer_engine(worker)
