@@ -30,7 +30,7 @@ from reshard.plan.specs import PieceSpec
 from reshard.transport import joining
 from reshard.transport.config import GroupConfig
 from reshard.transport.locals import Tensors
-from reshard.transport.messages import round_staging, staging_need
+from reshard.transport.messages import Unpacked, round_staging, staging_need
 from reshard.transport.posting import Op, off_device_locals, post_ops
 
 from . import procs
@@ -306,7 +306,7 @@ def test_messages_of_tensors_off_the_groups_device_are_staged_never_posted_in_pl
     size, offsets = round_staging(send, 1 << 20, off_device=off)
     assert size == big and len(offsets) == 1
     size, offsets = round_staging(recv, 1 << 20, off_device=off)
-    assert size == big and ("recv", 0, 0) in offsets
+    assert size == big and Unpacked(0, 0) in offsets
     from reshard.plan.items import RankPlan
 
     plan = RankPlan(rank=1, rounds=[recv], num_rounds=1)
