@@ -141,12 +141,14 @@ class _Receiver:
     def __init__(self, fail: bool) -> None:
         self.fail = fail
 
-    def pull(self, refit: int, *, method: str, atomic=None) -> dict:
+    def pull(self, refit: int, *, method: str, atomic=None):
+        from reshard.transport.stats import EngineStats
+
         if self.fail:
             raise RuntimeError("the transfer failed")
-        return {"refit": refit}
+        return EngineStats(rank=self.rank, refit=refit)
 
-    def commit(self, refit: int) -> dict:
+    def commit(self, refit: int):
         return self.pull(refit, method="reshard")
 
 
@@ -161,7 +163,7 @@ def test_the_extension_refreshes_what_vllms_own_finish_refreshes(call):
     worker.model_runner = _Runner()
     worker._reshard = _Receiver(fail=False)
     reply = getattr(worker, call)("4")
-    assert reply["ok"] and reply["stats"] == {"refit": 4}
+    assert reply["ok"] and reply["stats"]["refit"] == 4 and reply["stats"]["rank"] == 3
     assert worker.model_runner.resets == 1
     worker._reshard = _Receiver(fail=True)
     reply = getattr(worker, call)("5")
