@@ -150,7 +150,7 @@ def dump_worker_stats(worker: Any, directory: str, refit: int) -> None:
     the reshard receiver's account of its last refit to ``directory``
     (verl's server actor does not return collective_rpc results)."""
     r = worker.weight_transfer_engine.receiver
-    stats = {**r.last_stats, "rank": r.rank, "kept_bytes": r.kept_bytes}
+    stats = {**r.last_stats.to_builtins(), "rank": r.rank, "kept_bytes": r.kept_bytes}
     Path(directory, f"worker-{r.rank}-refit-{refit}.json").write_text(json.dumps(stats))
 
 
