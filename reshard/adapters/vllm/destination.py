@@ -26,6 +26,7 @@ from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING
 
 from reshard.adapters.vllm.applier import Applier
+from reshard.adapters.vllm.drafter import WithDrafter
 from reshard.adapters.vllm.update import LayerwiseUpdate
 from reshard.transport.locals import LocalTensors
 
@@ -46,7 +47,7 @@ class LayerwiseRefit(LocalTensors):
 
     def __init__(
         self,
-        update: LayerwiseUpdate,
+        update: LayerwiseUpdate | WithDrafter,
         pool: cf.ThreadPoolExecutor,
         *,
         idle: bool,
@@ -62,6 +63,7 @@ class LayerwiseRefit(LocalTensors):
         if buffers is None:
             self.applier = Applier(update.after_round, pool, idle=idle)
         else:
+            assert isinstance(update, LayerwiseUpdate), "delta refits of a drafter are refused at start"
             self.applier = Applier(lambda i, changed: update.load_released(buffers, changed, i), pool, idle=idle)
 
     def __enter__(self) -> LayerwiseRefit:

@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING, Any
 from reshard.adapters.core.recording import LearnedLayout
 from reshard.adapters.vllm.destination import LayerwiseRefit
 from reshard.adapters.vllm.direct import direct_layers
+from reshard.adapters.vllm.drafter import DRAFT_LOCAL, DRAFT_MODES, Drafter, LearnedDrafter, WithDrafter, learn_drafter
 from reshard.adapters.vllm.layout import learn_layout
 from reshard.adapters.vllm.lifecycle import (
     followers,
@@ -167,10 +168,20 @@ class VllmReceiver(EngineReceiver):
         tensors: list[TensorMeta] | None = None,
         atomic: bool = False,
         vllm_config=None,
+        drafter: Drafter | None = None,
+        draft: str = "refit",
+        draft_tensors: list[TensorMeta] | None = None,
     ) -> None:
         """``atomic``: the default for :meth:`pull` (see there).
         ``vllm_config``: the worker's config, current while this receiver
-        builds its layout and pulls (as during vLLM's own weight loading)."""
+        builds its layout and pulls (as during vLLM's own weight loading).
+        ``drafter``: the worker's speculative drafter, refit with the target
+        (``draft="refit"``: its tensors join the layout, see
+        :mod:`reshard.adapters.vllm.drafter`; ``draft_tensors``: its
+        checkpoint's, by default read from its headers) or left alone
+        (``draft="frozen"``)."""
+        if draft not in DRAFT_MODES:
+            raise ReshardError(f"draft={draft!r}: expected one of {DRAFT_MODES}")
         self.model = model
         self.atomic = atomic
         self.mixed = False
@@ -187,7 +198,23 @@ class VllmReceiver(EngineReceiver):
                 f"engine rank {rank}: the layout learned from vLLM's loaders is incomplete, so refits would "
                 "leave stale weights:\n  " + "\n  ".join(problems[:20])
             )
-        self.layout = build_layout(rank, self.learned.pieces)
+        self.draft_mode = draft if drafter is not None else ""
+        self.drafter: LearnedDrafter | None = None
+        if drafter is not None and draft == "refit":
+            if config.delta:
+                raise ReshardError(
+                    f"engine rank {rank}: delta refits of an engine with a drafter are not supported; "
+                    "refit without deltas, or say the drafter is frozen (draft='frozen')"
+                )
+            with vllm_context(vllm_config):
+                self.drafter = learn_drafter(drafter, model, draft_tensors)
+            problems = self.drafter.learned.problems()
+            if problems:
+                raise ReshardError(
+                    f"engine rank {rank}: the drafter's layout learned from its loaders is incomplete, so refits "
+                    "would leave it stale:\n  " + "\n  ".join(problems[:20])
+                )
+        self.layout = build_layout(rank, self.learned.pieces + (self.drafter.pieces if self.drafter else []))
         modules = dict(model.named_modules())
         self.device = device
         self._cpu = str(device).split(":")[0] == "cpu"
@@ -214,6 +241,25 @@ class VllmReceiver(EngineReceiver):
             backup_direct=keeps_backups(device),
             device=None if self._cpu else device,
         )
+        self.draft_worker: WorkerModel | None = None
+        if self.drafter is not None:
+            assert drafter is not None
+            dlearned = self.drafter.learned
+            dmodules = dict(drafter.model.named_modules())
+            with vllm_context(vllm_config):
+                ddirect = direct_layers(dmodules, dlearned, dlearned.whole())
+            self.draft_worker = WorkerModel(
+                model=drafter.model,
+                model_config=drafter.model_config,
+                learned=dlearned,
+                rank=rank,
+                modules=dmodules,
+                followers=tuple(followers(dmodules, set(dlearned.layers))),
+                direct=ddirect,
+                backup_direct=keeps_backups(device),
+                device=None if self._cpu else device,
+                prefix=DRAFT_LOCAL,
+            )
         self.rank = rank
         # Every pull says which tensors it lands in (its ``into``).
         self.receiver = Receiver(
@@ -234,7 +280,16 @@ class VllmReceiver(EngineReceiver):
     @property
     def kept_bytes(self) -> int:
         """Bytes of checkpoint tensors this worker keeps, in the dtypes it keeps them."""
-        return sum(p.box.numel * _itemsize(p.local_dtype or p.tensor.dtype) for p in self.learned.pieces)
+        return sum(p.box.numel * _itemsize(p.local_dtype or p.tensor.dtype) for p in self.learned.pieces) + (
+            self.drafter_kept_bytes
+        )
+
+    @property
+    def drafter_kept_bytes(self) -> int:
+        """Of :attr:`kept_bytes`, the drafter's own (0: no drafter, or a frozen one)."""
+        if self.drafter is None:
+            return 0
+        return sum(p.box.numel * _itemsize(p.local_dtype or p.tensor.dtype) for p in self.drafter.pieces)
 
     def pull(self, refit: int, *, method: str = "reshard", atomic: bool | None = None) -> EngineStats:
         """Receive refit ``refit`` into the live model (collective with every refit rank).
@@ -266,7 +321,9 @@ class VllmReceiver(EngineReceiver):
             update = self._apply(refit, stats.touched)
             return self._account(stats, update, t0, atomic=True, stage_seconds=received)
         buffers = self._staging_buffers() if self.delta else None
-        update = LayerwiseUpdate(self.worker, refit, atomic=atomic)
+        update: LayerwiseUpdate | WithDrafter = LayerwiseUpdate(self.worker, refit, atomic=atomic)
+        if self.draft_worker is not None:
+            update = WithDrafter(update, LayerwiseUpdate(self.draft_worker, refit, atomic=atomic))
         try:
             with (
                 self._applying(update),
@@ -286,7 +343,7 @@ class VllmReceiver(EngineReceiver):
             return self._account(stats, update, t0, atomic=atomic)
         return self._account(stats, update, t0, atomic=atomic, stage_seconds=received)
 
-    def _account(self, stats: RefitStats, update: LayerwiseUpdate, t0: float, **more: Any) -> EngineStats:
+    def _account(self, stats: RefitStats, update: LayerwiseUpdate | WithDrafter, t0: float, **more: Any) -> EngineStats:
         """This worker's account of a refit (:attr:`last_stats`), built here alone."""
         self.last_stats = EngineStats.of_refit(
             stats,
@@ -301,6 +358,8 @@ class VllmReceiver(EngineReceiver):
             layers_skipped=len(update.skipped),
             delta=self.delta,
             staging_bytes=self.staging_bytes,
+            drafter=self.draft_mode,
+            drafter_kept_bytes=self.drafter_kept_bytes,
             **more,
         )
         return self.last_stats
@@ -379,6 +438,11 @@ class VllmReceiver(EngineReceiver):
         fails, nothing changed. :meth:`staging_state` says when it is done,
         :meth:`commit` applies it (with generation paused)."""
         self._wait_staging()
+        if self.drafter is not None:
+            raise ReshardError(
+                f"engine rank {self.rank}: two-phase refits of an engine with a drafter are not supported; refit "
+                "in place, or say the drafter is frozen (draft='frozen')"
+            )
         into = self._base()
         job = _Staging(refit, method)
 
@@ -455,7 +519,7 @@ class VllmReceiver(EngineReceiver):
         return stats
 
     @contextlib.contextmanager
-    def _applying(self, update: LayerwiseUpdate) -> Iterator[None]:
+    def _applying(self, update: LayerwiseUpdate | WithDrafter) -> Iterator[None]:
         """Run ``update`` (live tensors released after loading take the new
         values, see :func:`reshard.adapters.vllm.lifecycle.adopt_released_kernels`);
         if it fails, put back the old weights of every layer not yet processed
