@@ -151,6 +151,9 @@ class LearnedDrafter:
     local names prefixed)."""
     shared: list[str]
     """Drafter parameters that are the target's (written once, as the target's)."""
+    shared_modules: list[Any]
+    """Drafter modules that are the target's (or hold its tensors): left to
+    the target's reload, never the drafter's."""
 
 
 def learn_drafter(drafter: Drafter, target: torch.nn.Module, tensors: list[TensorMeta] | None = None) -> LearnedDrafter:
@@ -169,6 +172,11 @@ def learn_drafter(drafter: Drafter, target: torch.nn.Module, tensors: list[Tenso
         if t.device.type != "meta" and t.untyped_storage().nbytes() > 0
     }
     modules = dict(drafter.model.named_modules())
+    shared_modules = [
+        m
+        for m in modules.values()
+        if id(m) in ids or any(id(t) in ids for t in list(m._parameters.values()) + list(m._buffers.values()))
+    ]
     shared = set()
     for local in learned.local_shapes:
         mod, _, attr = local.rpartition(".")
@@ -195,7 +203,9 @@ def learn_drafter(drafter: Drafter, target: torch.nn.Module, tensors: list[Tenso
         )
         for p in learned.pieces
     ]
-    return LearnedDrafter(drafter=drafter, learned=learned, pieces=pieces, shared=sorted(shared))
+    return LearnedDrafter(
+        drafter=drafter, learned=learned, pieces=pieces, shared=sorted(shared), shared_modules=shared_modules
+    )
 
 
 def _without(learned: LearnedLayout, shared: set[str]) -> LearnedLayout:
@@ -226,25 +236,35 @@ class WithDrafter:
     reload, as one update (what :class:`reshard.adapters.vllm.destination.LayerwiseRefit`
     drives): names under :data:`DRAFT_LOCAL` are the drafter's."""
 
-    def __init__(self, target: LayerwiseUpdate, drafter: LayerwiseUpdate) -> None:
+    def __init__(self, target: LayerwiseUpdate, drafter: LayerwiseUpdate, shared: list[Any]) -> None:
+        """``shared``: the drafter's modules that are the target's
+        (:attr:`LearnedDrafter.shared_modules`)."""
         self.target = target
         self.drafter = drafter
+        self.shared = shared
         self.layer_of: dict[str, Any] = {**target.layer_of, **{DRAFT_LOCAL + k: v for k, v in drafter.layer_of.items()}}
         self.skipped = target.skipped
         self.seconds = target.seconds
         """Where the apply's time went, by step: the target's, the drafter's added at :meth:`end`."""
 
     def begin(self, plan: RankPlan | None = None) -> None:
-        self.target.begin(plan)
+        """The drafter's reload first, then the modules it shares with the
+        target taken out of it (back live), then the target's, which owns
+        them: a module the target writes in place (its embedding) must not
+        be left on the meta device by the drafter's reload, nor put back at
+        its old values when the drafter's reload is finalized."""
+        from reshard.adapters.vllm.lifecycle import keep_live
+
         self.drafter.begin(plan)
+        for m in self.shared:
+            keep_live(m)
+        self.target.begin(plan)
 
     def param(self, local: str, *, zero: bool = True) -> torch.Tensor:
+        if not self.target.started:
+            self.begin()
         if local.startswith(DRAFT_LOCAL):
-            if not self.target.started:
-                self.target.begin()
             return self.drafter.param(local[len(DRAFT_LOCAL) :], zero=zero)
-        if not self.drafter.started:
-            self.drafter.begin()
         return self.target.param(local, zero=zero)
 
     def after_round(self, index: int) -> None:

@@ -323,7 +323,10 @@ class VllmReceiver(EngineReceiver):
         buffers = self._staging_buffers() if self.delta else None
         update: LayerwiseUpdate | WithDrafter = LayerwiseUpdate(self.worker, refit, atomic=atomic)
         if self.draft_worker is not None:
-            update = WithDrafter(update, LayerwiseUpdate(self.draft_worker, refit, atomic=atomic))
+            assert self.drafter is not None
+            update = WithDrafter(
+                update, LayerwiseUpdate(self.draft_worker, refit, atomic=atomic), self.drafter.shared_modules
+            )
         try:
             with (
                 self._applying(update),
