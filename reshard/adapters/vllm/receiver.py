@@ -318,15 +318,10 @@ class VllmReceiver(EngineReceiver):
         if self.delta and atomic:
             stats = self.receiver.pull(refit, method=method, into=self._base())
             received = time.perf_counter() - t0
-            update = self._apply(refit, stats.touched)
-            return self._account(stats, update, t0, atomic=True, stage_seconds=received)
+            applied = self._apply(refit, stats.touched)
+            return self._account(stats, applied, t0, atomic=True, stage_seconds=received)
         buffers = self._staging_buffers() if self.delta else None
-        update: LayerwiseUpdate | WithDrafter = LayerwiseUpdate(self.worker, refit, atomic=atomic)
-        if self.draft_worker is not None:
-            assert self.drafter is not None
-            update = WithDrafter(
-                update, LayerwiseUpdate(self.draft_worker, refit, atomic=atomic), self.drafter.shared_modules
-            )
+        update = self._update(refit, atomic)
         try:
             with (
                 self._applying(update),
@@ -335,6 +330,7 @@ class VllmReceiver(EngineReceiver):
                 stats = self.receiver.pull(refit, method=method, into=into)
                 received = time.perf_counter() - t0
                 if buffers is not None:
+                    assert isinstance(update, LayerwiseUpdate), "delta refits of a drafter are refused at start"
                     update.load_from(buffers, None if stats.touched is None else set(stats.touched))
                 # (The baseline has no rounds of ours: its first write starts the lifecycle.)
                 update.end()
@@ -345,6 +341,14 @@ class VllmReceiver(EngineReceiver):
         if buffers is None:
             return self._account(stats, update, t0, atomic=atomic)
         return self._account(stats, update, t0, atomic=atomic, stage_seconds=received)
+
+    def _update(self, refit: int, atomic: bool) -> LayerwiseUpdate | WithDrafter:
+        """One refit in vLLM's layerwise lifecycle: the target's, and its drafter's beside it."""
+        update = LayerwiseUpdate(self.worker, refit, atomic=atomic)
+        if self.draft_worker is None or self.drafter is None:
+            return update
+        drafter = LayerwiseUpdate(self.draft_worker, refit, atomic=atomic)
+        return WithDrafter(update, drafter, self.drafter.shared_modules)
 
     def _account(self, stats: RefitStats, update: LayerwiseUpdate | WithDrafter, t0: float, **more: Any) -> EngineStats:
         """This worker's account of a refit (:attr:`last_stats`), built here alone."""
