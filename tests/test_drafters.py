@@ -76,6 +76,12 @@ def _models(root: str, method: str) -> dict[str, Any]:
     return {"v": (str(v1), str(v2)), "d": (d1, d2), "args": {}, "spec": {}}
 
 
+def _checkpoint(path: str) -> dict[str, Any]:
+    from safetensors.torch import load_file
+
+    return load_file(os.path.join(path, "model.safetensors"))
+
+
 def _tensors(m: dict[str, Any], i: int, *, drafter: bool) -> dict[str, Any]:
     """What the trainer publishes for version ``i``: the target's checkpoint
     tensors, and the drafter's under its canonical names (or not)."""
@@ -105,16 +111,40 @@ def _greedy_accepting(llm) -> tuple[list[list[int]], float]:
     return tokens, (a1 - a0) / max(d1 - d0, 1)
 
 
-def _push(llm, tensors: dict[str, Any], refit: int, tp: int, *, draft: str = "refit") -> list[dict[str, Any]]:
+def _trainer(m: dict[str, Any], i: int) -> dict[str, Any]:
+    """Sender arguments for a trainer of version ``i`` that trains the drafter
+    beside the policy: the policy a transformers module, the drafter a
+    second module (a draft model), or tensors (an EAGLE head, MTP layers the
+    transformers model lacks, published under the policy checkpoint's names)."""
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    dtype = getattr(torch, m["args"].get("dtype", "float32"))
+    policy = AutoModelForCausalLM.from_pretrained(m["v"][i], dtype=dtype)
+    if "mtp_prefix" in m:
+        w = load_file(os.path.join(m["v"][i], "model.safetensors"))
+        return {
+            "source": policy,
+            "draft": {k: v for k, v in w.items() if k.startswith(m["mtp_prefix"])},
+            "draft_names": "",
+        }
+    d = m["d"][i]
+    if os.path.exists(os.path.join(d, "reshard-tiny.json")):
+        return {"source": policy, "draft": AutoModelForCausalLM.from_pretrained(d, dtype=dtype)}
+    return {"source": policy, "draft": load_file(os.path.join(d, "model.safetensors"))}
+
+
+def _push(llm, source: Any, refit: int, tp: int, *, mode: str = "refit", **sender: Any) -> list[dict[str, Any]]:
     """One refit of ``llm`` from a trainer rank in this process (its own refit group)."""
     from reshard import GroupConfig, Sender
     from reshard.adapters.vllm.driver import VllmEngines
     from reshard.testing.ports import free_port
 
     cfg = GroupConfig(address=f"127.0.0.1:{free_port()}", num_sources=1, num_destinations=tp, timeout_s=180)
-    sender = Sender(tensors, config=cfg)
+    sender = Sender(source, config=cfg, **sender)
     try:
-        sender.push(refit, engines=VllmEngines([llm], draft=draft))
+        sender.push(refit, engines=VllmEngines([llm], draft=mode))
         return [s.to_builtins() for s in sender.engine_stats]
     finally:
         sender.close()
@@ -151,7 +181,7 @@ def scenario(rank: int, root: str, method: str, tp: int) -> dict[str, Any]:
     llm = start(0)
     try:
         out["start_tokens"], out["start_acceptance"] = _greedy_accepting(llm)
-        out["frozen_stats"] = _push(llm, _tensors(m, 1, drafter=False), 1, tp, draft="frozen")
+        out["frozen_stats"] = _push(llm, _tensors(m, 1, drafter=False), 1, tp, mode="frozen")
         out["frozen"] = engine_state(llm)
         out["frozen_tokens"], out["frozen_acceptance"] = _greedy_accepting(llm)
         try:
@@ -159,12 +189,74 @@ def scenario(rank: int, root: str, method: str, tp: int) -> dict[str, Any]:
             out["refused"] = ""
         except ReshardError as e:
             out["refused"] = str(e)
-        out["stats"] = _push(llm, _tensors(m, 1, drafter=True), 3, tp)
+        out["stats"] = _push(llm, refit=3, tp=tp, **_trainer(m, 1))
         out["refit"] = engine_state(llm)
         out["tokens"], out["acceptance"] = _greedy_accepting(llm)
         out["drafter_names"] = sorted(
             k for k in _tensors(m, 1, drafter=True) if k.startswith("draft.") or k.startswith(m.get("mtp_prefix", "@"))
         )
+    finally:
+        shutdown(llm)
+    return out
+
+
+def _worker_stats(llm) -> list[dict[str, Any]]:
+    """Every worker's account of its last refit through the native backend."""
+
+    def stats(worker) -> dict[str, Any]:
+        return worker.weight_transfer_engine.receiver.last_stats.to_builtins()
+
+    return llm.collective_rpc(stats)
+
+
+def native_scenario(rank: int, root: str) -> dict[str, Any]:
+    """vLLM's own weight-transfer API with the ``reshard`` backend and a
+    draft model equal to the policy, refit in vLLM's draft session: the
+    trainer engine publishes policy and drafter (a second module); the
+    drafter is ``separate``, so the target's session leaves it alone
+    (acceptance falls), and the draft session moves the drafter's bytes
+    alone (acceptance whole again; state equal to a fresh engine's)."""
+    from reshard.adapters.vllm.backend import ReshardTrainerEngine, ReshardTrainerInitInfo
+    from reshard.adapters.vllm.driver import engine_state
+    from reshard.testing.ports import free_port
+    from tests.vllm_support import make_llm, shutdown
+
+    m = _models(root, "draft_model")
+    llm = make_llm(
+        m["v"][0],
+        1,
+        extension="reshard.adapters.vllm.ReshardWorkerExtension",
+        speculative_config=speculative_config("draft_model", m["d"][0]),
+        disable_log_stats=False,
+        weight_transfer_config={"backend": "reshard"},
+    )
+    out: dict[str, Any] = {}
+    try:
+        out["start_tokens"], out["start_acceptance"] = _greedy_accepting(llm)
+        trainer = _trainer(m, 1)
+        info = ReshardTrainerInitInfo(
+            rank=0,
+            address=f"127.0.0.1:{free_port()}",
+            num_sources=1,
+            num_destinations=1,
+            timeout_s=180,
+            worker_init={"draft": "separate"},
+        )
+        engine = ReshardTrainerEngine.trainer_init(info, client=llm, source=trainer["source"], draft=trainer["draft"])
+        try:
+            engine.send_weights()
+            out["target_sent"] = engine.sender.last_stats.exec.bytes_sent
+            out["target_stats"] = _worker_stats(llm)
+            out["target_tokens"], out["target_acceptance"] = _greedy_accepting(llm)
+            engine.send_draft_weights()
+            out["draft_sent"] = engine.sender.last_stats.exec.bytes_sent
+            out["draft_stats"] = _worker_stats(llm)
+        finally:
+            engine.shutdown()
+        out["state"] = engine_state(llm)
+        out["tokens"], out["acceptance"] = _greedy_accepting(llm)
+        # (The checkpoint's tensors: the module's state dict names a tied weight twice.)
+        out["draft_bytes"] = sum(t.nbytes for t in _checkpoint(m["d"][1]).values())
     finally:
         shutdown(llm)
     return out
@@ -178,6 +270,7 @@ def runs(tmp_path_factory) -> dict[tuple[str, int], dict[str, Any]]:
     try:
         for method, tp in CONFIGS:
             out[(method, tp)] = host.call(scenario, root, method, tp, timeout=600)[0]
+        out[("native", 1)] = host.call(native_scenario, root, timeout=600)[0]
     finally:
         host.close()
     return out
@@ -236,3 +329,25 @@ def test_acceptance_follows_the_drafter(runs):
     assert run["start_acceptance"] == run["fresh_acceptance"] == 1.0
     assert run["frozen_acceptance"] < 0.5
     assert run["acceptance"] == 1.0
+
+
+def test_vllm_draft_session_through_the_reshard_backend_moves_the_drafter_alone(runs):
+    """vLLM's ``start_draft_weight_update`` session through the ``reshard``
+    backend: sliced (each worker receives what its drafter keeps, the
+    trainer sends nothing of the policy), and the engine ends equal to a
+    fresh one on policy and drafter."""
+    run, fresh = runs[("native", 1)], runs[("draft_model", 1)]
+    assert run["start_acceptance"] == 1.0
+    # The target's session: the policy's bytes only, the drafter left for its own session.
+    (target,) = run["target_stats"]
+    assert target["drafter"] == "separate" and target["drafter_kept_bytes"] == 0
+    assert run["target_sent"] == target["bytes_landed"] == target["kept_bytes"]
+    assert run["target_acceptance"] < 0.5
+    # The draft session: the drafter's bytes only.
+    (draft,) = run["draft_stats"]
+    assert draft["drafter"] == "refit"
+    assert run["draft_sent"] == draft["bytes_landed"] == draft["kept_bytes"] == draft["drafter_kept_bytes"]
+    assert draft["drafter_kept_bytes"] == run["draft_bytes"]
+    assert run["acceptance"] == 1.0
+    assert not _differ(run["state"], fresh["fresh"]), _differ(run["state"], fresh["fresh"])[:10]
+    assert run["tokens"] == fresh["fresh_tokens"]

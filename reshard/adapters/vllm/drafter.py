@@ -63,9 +63,11 @@ DRAFT_LOCAL = "drafter:"
 """Prefix of the drafter's local (parameter) names in a worker's layout."""
 DRAFT_NAMES = "draft."
 """Prefix of the canonical names of a drafter with a checkpoint of its own."""
-DRAFT_MODES = ("refit", "frozen")
+DRAFT_MODES = ("refit", "separate", "frozen")
 """``refit``: the drafter is a destination of every refit (a trainer must
-publish its tensors); ``frozen``: it is left alone."""
+publish its tensors); ``separate``: left out of the target's refits, refit
+in refits of its own (vLLM's draft sessions, ``start_draft_weight_update``);
+``frozen``: it is left alone (a draft session is refused)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -234,54 +236,67 @@ def _without(learned: LearnedLayout, shared: set[str]) -> LearnedLayout:
 class WithDrafter:
     """One refit of a target and its drafter, each in its own layerwise
     reload, as one update (what :class:`reshard.adapters.vllm.destination.LayerwiseRefit`
-    drives): names under :data:`DRAFT_LOCAL` are the drafter's."""
+    drives): names under :data:`DRAFT_LOCAL` are the drafter's.
+    ``target=None``: the drafter alone (vLLM's draft session)."""
 
-    def __init__(self, target: LayerwiseUpdate, drafter: LayerwiseUpdate, shared: list[Any]) -> None:
+    def __init__(self, target: LayerwiseUpdate | None, drafter: LayerwiseUpdate, shared: list[Any]) -> None:
         """``shared``: the drafter's modules that are the target's
         (:attr:`LearnedDrafter.shared_modules`)."""
         self.target = target
         self.drafter = drafter
         self.shared = shared
-        self.layer_of: dict[str, Any] = {**target.layer_of, **{DRAFT_LOCAL + k: v for k, v in drafter.layer_of.items()}}
-        self.skipped = target.skipped
-        self.seconds = target.seconds
+        self.updates = [u for u in (target, drafter) if u is not None]
+        self.layer_of: dict[str, Any] = {DRAFT_LOCAL + k: v for k, v in drafter.layer_of.items()}
+        if target is not None:
+            self.layer_of.update(target.layer_of)
+        first = self.updates[0]
+        self.skipped = first.skipped
+        self.seconds = first.seconds
         """Where the apply's time went, by step: the target's, the drafter's added at :meth:`end`."""
+        self.started = False
 
     def begin(self, plan: RankPlan | None = None) -> None:
         """The drafter's reload first, then the modules it shares with the
         target taken out of it (back live), then the target's, which owns
         them: a module the target writes in place (its embedding) must not
         be left on the meta device by the drafter's reload, nor put back at
-        its old values when the drafter's reload is finalized."""
+        its old values when the drafter's reload is finalized. A drafter
+        refit alone leaves them to the target (its refits write them)."""
         from reshard.adapters.vllm.lifecycle import keep_live
 
+        self.started = True
         self.drafter.begin(plan)
         for m in self.shared:
             keep_live(m)
-        self.target.begin(plan)
+        if self.target is not None:
+            self.target.begin(plan)
 
     def param(self, local: str, *, zero: bool = True) -> torch.Tensor:
-        if not self.target.started:
+        if not self.started:
             self.begin()
         if local.startswith(DRAFT_LOCAL):
             return self.drafter.param(local[len(DRAFT_LOCAL) :], zero=zero)
+        if self.target is None:
+            raise KeyError(f"{local!r}: a drafter's refit writes only the drafter's tensors")
         return self.target.param(local, zero=zero)
 
     def after_round(self, index: int) -> None:
-        self.target.after_round(index)
-        self.drafter.after_round(index)
+        for u in self.updates:
+            u.after_round(index)
 
     def end(self) -> None:
         try:
-            self.target.end()
+            if self.target is not None:
+                self.target.end()
         finally:
             self.drafter.end()
-            for k, v in self.drafter.seconds.items():
-                self.seconds[k] = self.seconds.get(k, 0.0) + v
+            if self.target is not None:
+                for k, v in self.drafter.seconds.items():
+                    self.seconds[k] = self.seconds.get(k, 0.0) + v
 
     def abort(self, error: BaseException) -> None:
         mixed: MixedWeightsError | None = None
-        for update in (self.drafter, self.target):
+        for update in self.updates[::-1]:
             try:
                 update.abort(error)
             except MixedWeightsError as e:
@@ -292,7 +307,7 @@ class WithDrafter:
     # -- the account (summed over both) ------------------------------------------
 
     def _sum(self, attr: str) -> Any:
-        return getattr(self.target, attr) + getattr(self.drafter, attr)
+        return sum(getattr(u, attr) for u in self.updates)
 
     @property
     def process_seconds(self) -> float:

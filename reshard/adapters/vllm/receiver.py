@@ -49,7 +49,7 @@ from reshard.adapters.vllm.lifecycle import (
 )
 from reshard.adapters.vllm.update import LayerwiseUpdate, WorkerModel, keeps_backups
 from reshard.errors import MixedWeightsError, ReshardError
-from reshard.plan.layout import TensorMeta
+from reshard.plan.layout import Layout, TensorMeta
 from reshard.plan.specs import build_layout
 from reshard.receiver import EngineReceiver, Receiver
 from reshard.transport.group import GroupConfig
@@ -199,25 +199,26 @@ class VllmReceiver(EngineReceiver):
                 "leave stale weights:\n  " + "\n  ".join(problems[:20])
             )
         self.draft_mode = draft if drafter is not None else ""
+        self._drafter_source = drafter
+        self._draft_tensors = draft_tensors
         self.drafter: LearnedDrafter | None = None
-        if drafter is not None and draft == "refit":
-            if config.delta:
-                raise ReshardError(
-                    f"engine rank {rank}: delta refits of an engine with a drafter are not supported; "
-                    "refit without deltas, or say the drafter is frozen (draft='frozen')"
-                )
-            with vllm_context(vllm_config):
-                self.drafter = learn_drafter(drafter, model, draft_tensors)
-            problems = self.drafter.learned.problems()
-            if problems:
-                raise ReshardError(
-                    f"engine rank {rank}: the drafter's layout learned from its loaders is incomplete, so refits "
-                    "would leave it stale:\n  " + "\n  ".join(problems[:20])
-                )
-        self.layout = build_layout(rank, self.learned.pieces + (self.drafter.pieces if self.drafter else []))
-        modules = dict(model.named_modules())
+        self.draft_worker: WorkerModel | None = None
+        self.draft_layout: Layout | None = None
+        """The drafter's pieces alone: the layout of a draft session's refit."""
+        self.rank = rank
         self.device = device
         self._cpu = str(device).split(":")[0] == "cpu"
+        if drafter is not None and draft != "frozen" and config.delta:
+            raise ReshardError(
+                f"engine rank {rank}: delta refits of an engine with a drafter are not supported; "
+                "refit without deltas, or say the drafter is frozen (draft='frozen')"
+            )
+        if drafter is not None and draft == "refit":
+            self._learn_drafter()
+        self.layout = build_layout(
+            rank, self.learned.pieces + (self.drafter.pieces if self.drafter and draft == "refit" else [])
+        )
+        modules = dict(model.named_modules())
         self._buffers: dict[str, torch.Tensor] | None = None
         self._stage_stream: Any = None
         """The CUDA stream two-phase stages receive on (beside the engine's)."""
@@ -241,26 +242,6 @@ class VllmReceiver(EngineReceiver):
             backup_direct=keeps_backups(device),
             device=None if self._cpu else device,
         )
-        self.draft_worker: WorkerModel | None = None
-        if self.drafter is not None:
-            assert drafter is not None
-            dlearned = self.drafter.learned
-            dmodules = dict(drafter.model.named_modules())
-            with vllm_context(vllm_config):
-                ddirect = direct_layers(dmodules, dlearned, dlearned.whole())
-            self.draft_worker = WorkerModel(
-                model=drafter.model,
-                model_config=drafter.model_config,
-                learned=dlearned,
-                rank=rank,
-                modules=dmodules,
-                followers=tuple(followers(dmodules, set(dlearned.layers))),
-                direct=ddirect,
-                backup_direct=keeps_backups(device),
-                device=None if self._cpu else device,
-                prefix=DRAFT_LOCAL,
-            )
-        self.rank = rank
         # Every pull says which tensors it lands in (its ``into``).
         self.receiver = Receiver(
             {}, config=config, rank=rank, layout=self.layout, device=device, budget_bytes=budget_bytes
@@ -272,6 +253,41 @@ class VllmReceiver(EngineReceiver):
         self._apply_pool = cf.ThreadPoolExecutor(1, thread_name_prefix="reshard-apply")
         self._staging: _Staging | None = None
 
+    def _learn_drafter(self) -> LearnedDrafter:
+        """Learn the drafter from its own loaders (once), and its layout alone
+        (a draft session's)."""
+        if self.drafter is not None:
+            return self.drafter
+        drafter = self._drafter_source
+        if drafter is None:
+            raise ReshardError(f"engine rank {self.rank}: this engine has no drafter (no speculative decoding)")
+        with vllm_context(self.vllm_config):
+            learned = learn_drafter(drafter, self.model, self._draft_tensors)
+            problems = learned.learned.problems()
+            if problems:
+                raise ReshardError(
+                    f"engine rank {self.rank}: the drafter's layout learned from its loaders is incomplete, so "
+                    "refits would leave it stale:\n  " + "\n  ".join(problems[:20])
+                )
+            dlearned = learned.learned
+            modules = dict(drafter.model.named_modules())
+            direct = direct_layers(modules, dlearned, dlearned.whole())
+        self.draft_worker = WorkerModel(
+            model=drafter.model,
+            model_config=drafter.model_config,
+            learned=dlearned,
+            rank=self.rank,
+            modules=modules,
+            followers=tuple(followers(modules, set(dlearned.layers))),
+            direct=direct,
+            backup_direct=keeps_backups(self.device),
+            device=None if self._cpu else self.device,
+            prefix=DRAFT_LOCAL,
+        )
+        self.draft_layout = build_layout(self.rank, learned.pieces)
+        self.drafter = learned
+        return learned
+
     @property
     def timeout_s(self) -> float:
         """The refit group's timeout (how long a commit waits for its stage)."""
@@ -280,13 +296,13 @@ class VllmReceiver(EngineReceiver):
     @property
     def kept_bytes(self) -> int:
         """Bytes of checkpoint tensors this worker keeps, in the dtypes it keeps them."""
-        return sum(p.box.numel * _itemsize(p.local_dtype or p.tensor.dtype) for p in self.learned.pieces) + (
-            self.drafter_kept_bytes
-        )
+        target = sum(p.box.numel * _itemsize(p.local_dtype or p.tensor.dtype) for p in self.learned.pieces)
+        return target + (self.drafter_kept_bytes if self.draft_mode == "refit" else 0)
 
     @property
     def drafter_kept_bytes(self) -> int:
-        """Of :attr:`kept_bytes`, the drafter's own (0: no drafter, or a frozen one)."""
+        """What the drafter keeps of its own (0: no drafter, or not learned:
+        one that is not refit)."""
         if self.drafter is None:
             return 0
         return sum(p.box.numel * _itemsize(p.local_dtype or p.tensor.dtype) for p in self.drafter.pieces)
@@ -314,6 +330,8 @@ class VllmReceiver(EngineReceiver):
 
     def _pull(self, refit: int, method: str, atomic: bool) -> EngineStats:
         self._wait_staging()
+        if self.receiver.layout is not self.layout:
+            self.receiver.set_layout(self.layout)
         t0 = time.perf_counter()
         if self.delta and atomic:
             stats = self.receiver.pull(refit, method=method, into=self._base())
@@ -352,8 +370,7 @@ class VllmReceiver(EngineReceiver):
 
     def _account(self, stats: RefitStats, update: LayerwiseUpdate | WithDrafter, t0: float, **more: Any) -> EngineStats:
         """This worker's account of a refit (:attr:`last_stats`), built here alone."""
-        self.last_stats = EngineStats.of_refit(
-            stats,
+        fields: dict[str, Any] = dict(
             apply_seconds=update.process_seconds,
             refit_seconds=time.perf_counter() - t0,
             kept_bytes=self.kept_bytes,
@@ -366,10 +383,44 @@ class VllmReceiver(EngineReceiver):
             delta=self.delta,
             staging_bytes=self.staging_bytes,
             drafter=self.draft_mode,
-            drafter_kept_bytes=self.drafter_kept_bytes,
-            **more,
+            drafter_kept_bytes=self.drafter_kept_bytes if self.draft_mode == "refit" else 0,
         )
+        fields.update(more)
+        self.last_stats = EngineStats.of_refit(stats, **fields)
         return self.last_stats
+
+    # -- the drafter's own refits ----------------------------------------------------
+
+    def pull_drafter(self, refit: int, *, method: str = "reshard") -> EngineStats:
+        """Receive refit ``refit`` into the drafter alone (vLLM's draft
+        session, ``start_draft_weight_update``): a refit whose layout is the
+        drafter's pieces (trainer ranks publish its tensors only), each
+        layer in the drafter's layerwise reload. Tensors it shares with the
+        target are the target's and left alone. Refused for a drafter
+        declared ``frozen``."""
+        with vllm_context(self.vllm_config), on_device(self.device):
+            self._wait_staging()
+            if self.draft_mode == "frozen":
+                raise ReshardError(f"engine rank {self.rank}: the drafter was declared frozen (draft='frozen')")
+            learned = self._learn_drafter()
+            assert self.draft_worker is not None and self.draft_layout is not None
+            t0 = time.perf_counter()
+            self.receiver.set_layout(self.draft_layout)
+            update = WithDrafter(None, LayerwiseUpdate(self.draft_worker, refit), learned.shared_modules)
+            with (
+                self._applying(update),
+                LayerwiseRefit(update, self._apply_pool, idle=self._cpu) as into,
+            ):
+                stats = self.receiver.pull(refit, method=method, into=into)
+                update.end()
+            return self._account(
+                stats,
+                update,
+                t0,
+                drafter="refit",
+                kept_bytes=self.drafter_kept_bytes,
+                drafter_kept_bytes=self.drafter_kept_bytes,
+            )
 
     # -- delta refits ----------------------------------------------------------
 
@@ -450,6 +501,8 @@ class VllmReceiver(EngineReceiver):
                 f"engine rank {self.rank}: two-phase refits of an engine with a drafter are not supported; refit "
                 "in place, or say the drafter is frozen (draft='frozen')"
             )
+        if self.receiver.layout is not self.layout:
+            self.receiver.set_layout(self.layout)
         into = self._base()
         job = _Staging(refit, method)
 
