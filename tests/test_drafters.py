@@ -32,17 +32,18 @@ from typing import Any
 
 import pytest
 
-from reshard.testing.drafters import build_eagle_head, build_mtp_model, speculative_config
+from reshard.testing.drafters import build_eagle3_head, build_eagle_head, build_mtp_model, speculative_config
 from reshard.testing.tiny import build_tiny_model
 
 from . import procs
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
-CONFIGS = [("draft_model", 1), ("eagle", 1), ("mtp", 1), ("eagle", 2)]
+CONFIGS = [("draft_model", 1), ("eagle", 1), ("eagle3", 1), ("mtp", 1), ("eagle", 2)]
 """(method, TP): a separate draft model (acceptance), an EAGLE head sharing
-the target's embedding and head, DeepSeek-V3 MTP (MLA, MoE experts
-repacked, ``shared_head.head`` shared), and the EAGLE head sliced at TP=2."""
+the target's embedding and head, an EAGLE-3 head (its own head, a wider
+attention input), DeepSeek-V3 MTP (MLA, MoE experts repacked,
+``shared_head.head`` shared), and the EAGLE head sliced at TP=2."""
 
 _COUNTERS = ("vllm:spec_decode_num_draft_tokens", "vllm:spec_decode_num_accepted_tokens")
 
@@ -71,8 +72,9 @@ def _models(root: str, method: str) -> dict[str, Any]:
             drafts.append(d)
         d1, d2 = drafts
     else:
-        d1 = str(build_eagle_head(os.path.join(root, "eagle1"), seed=3))
-        d2 = str(build_eagle_head(os.path.join(root, "eagle2"), seed=9))
+        build = build_eagle3_head if method == "eagle3" else build_eagle_head
+        d1 = str(build(os.path.join(root, f"{method}_1"), seed=3))
+        d2 = str(build(os.path.join(root, f"{method}_2"), seed=9))
     return {"v": (str(v1), str(v2)), "d": (d1, d2), "args": {}, "spec": {}}
 
 

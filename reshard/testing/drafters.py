@@ -7,6 +7,8 @@ built from the tiny models of :mod:`reshard.testing.tiny` (no hub):
   (``method="eagle"``): one decoder layer without its input norm and ``fc``,
   under the bare names EAGLE checkpoints use (``layers.0.*``, ``fc.weight``),
   sharing the target's embedding and head;
+- :func:`build_eagle3_head`: an EAGLE-3 head for a Llama target
+  (``method="eagle3"``), its own norm and head;
 - :func:`build_mtp_model`: a DeepSeek-V3 checkpoint with one MTP layer
   (``method="mtp"``), ``model.layers.{num_hidden_layers}.*``: a decoder
   layer (MoE, as the last target layer is), ``enorm``, ``hnorm``,
@@ -24,7 +26,7 @@ from typing import Any
 
 from reshard.testing.tiny import build_tiny_model
 
-__all__ = ["build_draft_model", "build_eagle_head", "build_mtp_model", "speculative_config"]
+__all__ = ["build_draft_model", "build_eagle3_head", "build_eagle_head", "build_mtp_model", "speculative_config"]
 
 
 def speculative_config(method: str, draft: str | os.PathLike | None = None, tokens: int = 2) -> dict[str, Any]:
@@ -73,6 +75,48 @@ def build_eagle_head(path: str | os.PathLike, *, seed: int = 0, **overrides: Any
     g = torch.Generator().manual_seed(seed + 11)
     out["fc.weight"] = (torch.randn((h, 2 * h), generator=g) * 0.05).to(next(iter(w.values())).dtype)
     for f in ("config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        if (base / f).exists():
+            shutil.copy(base / f, path / f)
+    save_file(out, str(path / "model.safetensors"), metadata={"format": "pt"})
+    shutil.rmtree(base)
+    (path / "reshard-drafter.json").write_text(json.dumps(stamp))
+    return path
+
+
+def build_eagle3_head(path: str | os.PathLike, *, seed: int = 0, **overrides: Any) -> Path:
+    """An EAGLE-3 head for the tiny Llama (``overrides`` as the target's):
+    one decoder layer whose attention reads the embedding and the hidden
+    state together (``2 * hidden`` inputs, ``hidden_norm``), ``fc`` over
+    two of the target's hidden states, its own ``norm`` and ``lm_head``."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    path = Path(path)
+    stamp = {"eagle3": seed, **{k: repr(v) for k, v in overrides.items()}}
+    if _stamped(path, stamp):
+        return path
+    base = build_tiny_model(
+        path / "base", "llama", seed=seed, num_hidden_layers=1, tie_word_embeddings=False, **overrides
+    )
+    w = load_file(str(base / "model.safetensors"))
+    cfg = json.loads((base / "config.json").read_text())
+    h = int(cfg["hidden_size"])
+    g = torch.Generator().manual_seed(seed + 17)
+    dtype = w["model.norm.weight"].dtype
+    out = {k.removeprefix("model."): v for k, v in w.items() if k.startswith("model.layers.0.")}
+    for proj in ("q_proj", "k_proj", "v_proj"):
+        rows = out[f"layers.0.self_attn.{proj}.weight"].shape[0]
+        out[f"layers.0.self_attn.{proj}.weight"] = (torch.randn((rows, 2 * h), generator=g) * 0.05).to(dtype)
+    out["layers.0.hidden_norm.weight"] = _noise(torch.ones(h), seed + 5).to(dtype)
+    # Two of the tiny target's two layers' hidden states (real heads take three of many).
+    out["fc.weight"] = (torch.randn((h, 2 * h), generator=g) * 0.05).to(dtype)
+    out["norm.weight"] = w["model.norm.weight"]
+    out["lm_head.weight"] = w["lm_head.weight"]
+    cfg["architectures"] = ["LlamaForCausalLMEagle3"]
+    cfg["draft_vocab_size"] = cfg["vocab_size"]
+    cfg["eagle_config"] = {"use_aux_hidden_state": True, "eagle_aux_hidden_state_layer_ids": [0, 1]}
+    (path / "config.json").write_text(json.dumps(cfg, indent=2))
+    for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
         if (base / f).exists():
             shutil.copy(base / f, path / f)
     save_file(out, str(path / "model.safetensors"), metadata={"format": "pt"})
