@@ -14,6 +14,11 @@
    complete transfer.
 4. ``finish``: the applier drains; its error fails the refit on every rank.
 
+With a speculative drafter, ``update`` is a
+:class:`~reshard.adapters.vllm.drafter.WithDrafter`: the target's and the
+drafter's layerwise reloads side by side, names under ``drafter:`` the
+drafter's (or the drafter's alone, in vLLM's draft session).
+
 Used as a context manager around the pull: leaving it on an error stops
 the applier after the layer in progress, so the worker can put back what
 was not processed (:meth:`LayerwiseUpdate.abort`).

@@ -115,7 +115,10 @@ def checkpoint_tensors(model_config: Any) -> list[TensorMeta]:
 
     path = str(model_config.model)
     if not os.path.isdir(path):
-        raise ReshardError(f"the drafter's checkpoint {path!r} is not a local directory: its tensors cannot be named")
+        raise ReshardError(
+            f"the drafter's checkpoint {path!r} is not a local directory: its tensors cannot be named; "
+            "say the drafter is frozen (draft='frozen') to leave it alone"
+        )
     files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
     index = os.path.join(path, "model.safetensors.index.json")
     if os.path.exists(index):
