@@ -39,17 +39,29 @@ from . import procs
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
-CONFIGS = [("draft_model", 1), ("eagle", 1), ("eagle3", 1), ("mtp", 1), ("eagle", 2)]
+CONFIGS = [("draft_model", 1), ("eagle", 1), ("eagle3", 1), ("mtp", 1), ("qwen3_next_mtp", 1), ("eagle", 2)]
 """(method, TP): a separate draft model (acceptance), an EAGLE head sharing
 the target's embedding and head, an EAGLE-3 head (its own head, a wider
 attention input), DeepSeek-V3 MTP (MLA, MoE experts repacked,
-``shared_head.head`` shared), and the EAGLE head sliced at TP=2."""
+``shared_head.head`` shared), Qwen3-Next MTP (``mtp.*``, a linear-attention
+target, MoE), and the EAGLE head sliced at TP=2."""
 
 _COUNTERS = ("vllm:spec_decode_num_draft_tokens", "vllm:spec_decode_num_accepted_tokens")
 
 
 def _models(root: str, method: str) -> dict[str, Any]:
     """Target and drafter paths of v1 and v2, engine arguments, the drafter's canonical prefix."""
+    if method == "qwen3_next_mtp":
+        v1 = build_mtp_model(os.path.join(root, "qwen3_next1"), "qwen3_next", seed=0, torch_dtype="bfloat16")
+        v2 = build_mtp_model(os.path.join(root, "qwen3_next2"), "qwen3_next", seed=7, torch_dtype="bfloat16")
+        return {
+            "v": (str(v1), str(v2)),
+            "d": (None, None),
+            "args": {"dtype": "bfloat16", "enable_prefix_caching": False},
+            "spec": {},
+            "mtp_prefix": "mtp.",
+            "method": "mtp",
+        }
     if method == "mtp":
         v1 = build_mtp_model(os.path.join(root, "mtp1"), seed=0, torch_dtype="bfloat16")
         v2 = build_mtp_model(os.path.join(root, "mtp2"), seed=7, torch_dtype="bfloat16")
@@ -162,7 +174,7 @@ def scenario(rank: int, root: str, method: str, tp: int) -> dict[str, Any]:
     out: dict[str, Any] = {}
 
     def start(i: int):
-        spec = {**speculative_config(method, m["d"][i]), **m["spec"]}
+        spec = {**speculative_config(m.get("method", method), m["d"][i]), **m["spec"]}
         return make_llm(
             m["v"][i],
             tp,

@@ -29,6 +29,35 @@ from reshard.testing.tiny import build_tiny_model
 __all__ = ["build_draft_model", "build_eagle3_head", "build_eagle_head", "build_mtp_model", "speculative_config"]
 
 
+QWEN3_NEXT: dict[str, Any] = dict(
+    model_type="qwen3_next",
+    hidden_size=128,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    head_dim=64,
+    intermediate_size=256,
+    moe_intermediate_size=64,
+    shared_expert_intermediate_size=64,
+    num_experts=4,
+    num_experts_per_tok=2,
+    decoder_sparse_step=1,
+    mlp_only_layers=[],
+    num_hidden_layers=2,
+    layer_types=["linear_attention", "full_attention"],
+    full_attention_interval=2,
+    linear_num_key_heads=2,
+    linear_num_value_heads=2,
+    linear_key_head_dim=64,
+    linear_value_head_dim=64,
+    linear_conv_kernel_dim=4,
+    partial_rotary_factor=0.25,
+    vocab_size=512,
+    tie_word_embeddings=False,
+)
+"""A tiny Qwen3-Next: a linear-attention layer then a full-attention one
+(head dims of 64, as vLLM's CPU kernels take), MoE with a shared expert."""
+
+
 def speculative_config(method: str, draft: str | os.PathLike | None = None, tokens: int = 2) -> dict[str, Any]:
     """vLLM's ``speculative_config`` for ``method`` with drafter ``draft``
     (MTP: none, the target's checkpoint)."""
@@ -134,6 +163,9 @@ def build_mtp_model(path: str | os.PathLike, kind: str = "deepseek_v3", *, seed:
     stamp = {"mtp": kind, "seed": seed, **{k: repr(v) for k, v in overrides.items()}}
     if _stamped(path, stamp):
         return path
+    if kind == "qwen3_next":
+        overrides = {**QWEN3_NEXT, **overrides}
+        kind = "qwen3_moe"  # (its tiny sizes; the model type comes from the overrides)
     build_tiny_model(path, kind, seed=seed, num_nextn_predict_layers=1, **overrides)
     cfg = json.loads((path / "config.json").read_text())
     n = int(cfg["num_hidden_layers"])
@@ -141,6 +173,18 @@ def build_mtp_model(path: str | os.PathLike, kind: str = "deepseek_v3", *, seed:
     w = load_file(str(path / "model.safetensors"))
     dtype = w["model.embed_tokens.weight"].dtype
     last = f"model.layers.{n - 1}."
+    if cfg["model_type"] == "qwen3_next":
+        # Qwen3-Next: ``mtp.*``, one full-attention MoE layer, its own norms and fc.
+        for i, (k, v) in enumerate(sorted(w.items())):
+            if k.startswith(last):
+                w["mtp.layers.0." + k[len(last) :]] = _noise(v.float(), seed * 1000 + i, 0.02).to(v.dtype).contiguous()
+        g = torch.Generator().manual_seed(seed + 13)
+        w["mtp.fc.weight"] = (torch.randn((h, 2 * h), generator=g) * 0.05).to(dtype)
+        for j, norm in enumerate(("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm")):
+            w[f"mtp.{norm}.weight"] = _noise(torch.zeros(h), seed + 20 + j).to(dtype)
+        save_file(w, str(path / "model.safetensors"), metadata={"format": "pt"})
+        (path / "reshard-drafter.json").write_text(json.dumps(stamp))
+        return path
     mtp = f"model.layers.{n}."
     for i, (k, v) in enumerate(sorted(w.items())):
         if k.startswith(last):
