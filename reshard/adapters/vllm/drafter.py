@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from reshard.adapters.core.recording import LearnedLayout
-from reshard.adapters.vllm.update import LayerwiseUpdate
+from reshard.adapters.vllm.update import LayerwiseUpdate, WorkerModel, keeps_backups
 from reshard.errors import MixedWeightsError, ReshardError
 from reshard.plan.layout import TensorMeta
 from reshard.plan.specs import PieceSpec
@@ -55,6 +55,7 @@ __all__ = [
     "LearnedDrafter",
     "WithDrafter",
     "checkpoint_tensors",
+    "drafter_worker",
     "find_drafter",
     "learn_drafter",
 ]
@@ -161,10 +162,13 @@ class LearnedDrafter:
     the target's reload, never the drafter's."""
 
 
-def learn_drafter(drafter: Drafter, target: torch.nn.Module, tensors: list[TensorMeta] | None = None) -> LearnedDrafter:
+def learn_drafter(
+    drafter: Drafter, target: torch.nn.Module, tensors: list[TensorMeta] | None = None, *, rank: int = -1
+) -> LearnedDrafter:
     """Learn ``drafter`` from its own loaders (``tensors``: its checkpoint's,
     by default read from its headers), leaving out what it shares with
-    ``target`` by reference."""
+    ``target`` by reference. A layout that would leave it stale is refused,
+    naming engine rank ``rank``."""
     from reshard.adapters.vllm.layout import learn_layout
 
     metas = tensors if tensors is not None else checkpoint_tensors(drafter.model_config)
@@ -200,6 +204,12 @@ def learn_drafter(drafter: Drafter, target: torch.nn.Module, tensors: list[Tenso
         ):
             shared.add(local)
     learned = _without(learned, shared)
+    problems = learned.problems()
+    if problems:
+        raise ReshardError(
+            f"engine rank {rank}: the drafter's layout learned from its loaders is incomplete, so refits would "
+            "leave it stale:\n  " + "\n  ".join(problems[:20])
+        )
     pieces = [
         dataclasses.replace(
             p,
@@ -210,6 +220,30 @@ def learn_drafter(drafter: Drafter, target: torch.nn.Module, tensors: list[Tenso
     ]
     return LearnedDrafter(
         drafter=drafter, learned=learned, pieces=pieces, shared=sorted(shared), shared_modules=shared_modules
+    )
+
+
+def drafter_worker(learned: LearnedDrafter, *, rank: int, device: Any) -> WorkerModel:
+    """What a refit of the drafter needs (as :class:`WorkerModel` says for a
+    target): its local names under :data:`DRAFT_LOCAL` in the worker's
+    plans; layers written in place decided from its own processing."""
+    from reshard.adapters.vllm.direct import direct_layers
+    from reshard.adapters.vllm.lifecycle import followers
+
+    cpu = str(device).split(":")[0] == "cpu"
+    modules = dict(learned.drafter.model.named_modules())
+    layout = learned.learned
+    return WorkerModel(
+        model=learned.drafter.model,
+        model_config=learned.drafter.model_config,
+        learned=layout,
+        rank=rank,
+        modules=modules,
+        followers=tuple(followers(modules, set(layout.layers))),
+        direct=direct_layers(modules, layout, layout.whole()),
+        backup_direct=keeps_backups(device),
+        device=None if cpu else device,
+        prefix=DRAFT_LOCAL,
     )
 
 

@@ -41,7 +41,14 @@ from typing import TYPE_CHECKING, Any
 from reshard.adapters.core.recording import LearnedLayout
 from reshard.adapters.vllm.destination import LayerwiseRefit
 from reshard.adapters.vllm.direct import direct_layers
-from reshard.adapters.vllm.drafter import DRAFT_LOCAL, DRAFT_MODES, Drafter, LearnedDrafter, WithDrafter, learn_drafter
+from reshard.adapters.vllm.drafter import (
+    DRAFT_MODES,
+    Drafter,
+    LearnedDrafter,
+    WithDrafter,
+    drafter_worker,
+    learn_drafter,
+)
 from reshard.adapters.vllm.layout import learn_layout
 from reshard.adapters.vllm.lifecycle import (
     followers,
@@ -262,28 +269,8 @@ class VllmReceiver(EngineReceiver):
         if drafter is None:
             raise ReshardError(f"engine rank {self.rank}: this engine has no drafter (no speculative decoding)")
         with vllm_context(self.vllm_config):
-            learned = learn_drafter(drafter, self.model, self._draft_tensors)
-            problems = learned.learned.problems()
-            if problems:
-                raise ReshardError(
-                    f"engine rank {self.rank}: the drafter's layout learned from its loaders is incomplete, so "
-                    "refits would leave it stale:\n  " + "\n  ".join(problems[:20])
-                )
-            dlearned = learned.learned
-            modules = dict(drafter.model.named_modules())
-            direct = direct_layers(modules, dlearned, dlearned.whole())
-        self.draft_worker = WorkerModel(
-            model=drafter.model,
-            model_config=drafter.model_config,
-            learned=dlearned,
-            rank=self.rank,
-            modules=modules,
-            followers=tuple(followers(modules, set(dlearned.layers))),
-            direct=direct,
-            backup_direct=keeps_backups(self.device),
-            device=None if self._cpu else self.device,
-            prefix=DRAFT_LOCAL,
-        )
+            learned = learn_drafter(drafter, self.model, self._draft_tensors, rank=self.rank)
+            self.draft_worker = drafter_worker(learned, rank=self.rank, device=self.device)
         self.draft_layout = build_layout(self.rank, learned.pieces)
         self.drafter = learned
         return learned
