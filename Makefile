@@ -78,7 +78,7 @@ unit: setup sglang-setup
 SGLANG_TESTS := tests/test_sglang_zoo.py tests/test_sglang.py
 VLLM_TESTS := tests/test_vllm_clients.py tests/test_vllm_faults.py tests/test_delta_engines.py \
 	tests/test_vllm_server.py tests/test_vllm_backend.py tests/test_vllm_load.py tests/test_vllm_versions.py \
-	tests/test_lora_adapters.py
+	tests/test_lora_adapters.py tests/test_drafters.py
 FRAMEWORK_TESTS := tests/test_megatron.py tests/test_demo.py tests/test_trl.py tests/test_trl_peft.py tests/test_verl.py \
 	tests/test_openrlhf.py
 TRAINER_TESTS := tests/test_trainers.py tests/test_trainers_vllm.py tests/test_peft.py

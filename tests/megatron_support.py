@@ -85,8 +85,9 @@ def init_parallel(tp: int, pp: int, ep: int, etp: int) -> None:
     )
 
 
-def build_gpt(hf: dict[str, Any], *, tp: int, pp: int, ep: int, etp: int):
-    """A GPTModel (local spec) for the checkpoint config ``hf`` on this rank."""
+def build_gpt(hf: dict[str, Any], *, tp: int, pp: int, ep: int, etp: int, mtp: int = 0):
+    """A GPTModel (local spec) for the checkpoint config ``hf`` on this rank
+    (``mtp``: multi-token prediction layers after the decoder's)."""
     import torch.nn.functional as F
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
@@ -116,6 +117,8 @@ def build_gpt(hf: dict[str, Any], *, tp: int, pp: int, ep: int, etp: int):
         pipeline_dtype=torch.float32,
         bf16=False,
     )
+    if mtp:
+        common["mtp_num_layers"] = mtp
     experts = hf.get("num_experts") or hf.get("n_routed_experts")
     if experts:
         dense = int(hf.get("first_k_dense_replace", 0))
@@ -160,6 +163,11 @@ def build_gpt(hf: dict[str, Any], *, tp: int, pp: int, ep: int, etp: int):
 
         for ls in spec.layer_specs:
             ls.submodules.self_attention.submodules.core_attention = _MLACoreAttention
+    extra: dict[str, Any] = {}
+    if mtp:
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
+
+        extra["mtp_block_spec"] = get_gpt_mtp_block_spec(cfg, spec, use_transformer_engine=False)
     with contextlib.redirect_stdout(open(os.devnull, "w")):
         model = GPTModel(
             config=cfg,
@@ -170,6 +178,7 @@ def build_gpt(hf: dict[str, Any], *, tp: int, pp: int, ep: int, etp: int):
             post_process=ps.is_pipeline_last_stage(),
             share_embeddings_and_output_weights=bool(hf.get("tie_word_embeddings")),
             position_embedding_type="rope",
+            **extra,
         )
     return model
 
@@ -379,3 +388,22 @@ def engine_scenario(rank: int, v1: str, v2: str, address: str, trainers: int) ->
         shutdown(llm)
         del llm
     return out
+
+
+def mtp_names(rank: int, port: int) -> dict[str, Any]:
+    """A one-rank DeepSeek-V3 GPTModel with one MTP layer: the checkpoint
+    tensors (name -> shape) its pieces publish."""
+    import torch.distributed as dist
+
+    from reshard.sender.megatron import MegatronRanks, megatron_pieces
+
+    cpu_workarounds()
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    try:
+        init_parallel(1, 1, 1, 1)
+        hf = {**DEEPSEEK, "num_nextn_predict_layers": 1}
+        model = build_gpt(hf, tp=1, pp=1, ep=1, etp=1, mtp=1)
+        pieces, _ = megatron_pieces(model, hf_config=hf, ranks=MegatronRanks.current())
+        return {p.tensor.name: list(p.tensor.shape) for p in pieces}
+    finally:
+        dist.destroy_process_group()

@@ -286,6 +286,29 @@ def test_checkpoint_names():
     assert checkpoint_recipe("decoder.layers.1.self_attention.core_attention.foo") is None
 
 
+@needs_megatron
+def test_mtp_layers_are_published_under_the_checkpoint_names():
+    """Megatron's ``mtp.layers.0.*`` (its norms, projection and transformer
+    layer) as a DeepSeek-V3 checkpoint names the MTP layer,
+    ``model.layers.{num_layers}.*``: the decoder layer's tensors as the last
+    layer's (MoE), and ``enorm``, ``hnorm``, ``eh_proj``,
+    ``shared_head.norm``. (The MTP layer's embedding and head are the
+    policy's in Megatron, and vLLM's drafter shares them by reference.)"""
+    from .megatron_support import mtp_names
+
+    (names,) = procs.check(procs.run(mtp_names, 1, procs.free_port(), timeout=300))
+    hidden = hf_config("deepseek_v3")["hidden_size"]
+    mtp = {k.removeprefix("model.layers.2."): v for k, v in names.items() if k.startswith("model.layers.2.")}
+    last = {k.removeprefix("model.layers.1."): v for k, v in names.items() if k.startswith("model.layers.1.")}
+    own = {
+        "enorm.weight": [hidden],
+        "hnorm.weight": [hidden],
+        "eh_proj.weight": [hidden, 2 * hidden],
+        "shared_head.norm.weight": [hidden],
+    }
+    assert mtp == {**last, **own}
+
+
 def _legacy_grouped_chunk(etp_rank: int, etp: int, ref: dict[str, torch.Tensor], hidden: int, ffn: int):
     """A module shaped like mcore <= 0.16's legacy GroupedMLP on layer 3 with
     local experts 2 and 3: ``weight1`` viewed as ``(E, H, 2F/etp)``,

@@ -204,3 +204,36 @@ def test_a_tensor_a_module_reader_and_a_tensor_reader_claim_is_refused_naming_bo
     registered(TrainerReader(name="Units too", modules=units))
     with pytest.raises(TypeError, match=r"rank 0: 'weight' of Linear \(Parameter.* 'Units' and 'Units too'"):
         describe_trainer(torch.nn.Linear(3, 2), rank=0)
+
+
+def test_a_draft_module_is_published_beside_the_policy_under_the_drafter_names():
+    """``Sender(policy, draft=...)``: the drafter read as the policy is (any
+    reader), its checkpoint names under ``draft.`` (or none, for MTP layers
+    that carry the policy checkpoint's names), its local tensors apart; a
+    name both publish is refused."""
+    from reshard.errors import ReshardError
+    from reshard.sender.trainers import with_draft
+
+    class Tiny(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = torch.nn.Module()
+            self.model.proj = torch.nn.Linear(4, 3, bias=False)
+
+    policy = describe_trainer(Tiny(), rank=0)
+    draft_module = Tiny()
+    both = with_draft(policy, describe_trainer(draft_module, rank=0))
+    names = sorted(p.tensor.name for p in both.pieces)
+    assert names == ["draft.model.proj.weight", "model.proj.weight"]
+    (drafted,) = [p for p in both.pieces if p.tensor.name.startswith("draft.")]
+    assert both.tensors[drafted.local] is draft_module.model.proj.weight or torch.equal(
+        both.tensors[drafted.local], draft_module.model.proj.weight
+    )
+    assert drafted.local != "model.proj.weight"
+    mtp = {"model.layers.2.eh_proj.weight": torch.zeros(3, 8)}
+    assert {p.tensor.name for p in with_draft(policy, describe_trainer(mtp, rank=0), "").pieces} == {
+        "model.proj.weight",
+        "model.layers.2.eh_proj.weight",
+    }
+    with pytest.raises(ReshardError, match="both publish"):
+        with_draft(policy, describe_trainer(Tiny(), rank=0), "")

@@ -26,7 +26,8 @@ from reshard.plan.layout import Layout
 from reshard.plan.specs import GridSpec, PieceSpec, build_layout
 from reshard.sender.engines import Engines, EngineStats, push_beside
 from reshard.sender.pieces import default_rename
-from reshard.sender.trainers import describe_trainer
+from reshard.sender.readers import Description
+from reshard.sender.trainers import DRAFT_NAMES, describe_trainer, with_draft
 from reshard.transport.group import GroupConfig
 from reshard.transport.locals import LocalTensors, local_tensors
 from reshard.transport.session import DEFAULT_BUDGET_BYTES, RefitSession, RefitStats
@@ -56,6 +57,8 @@ class Sender:
         budget_bytes: int = DEFAULT_BUDGET_BYTES,
         round_bytes: int | None = None,
         progress: bool | None = None,
+        draft: torch.nn.Module | Mapping[str, torch.Tensor] | Any = None,
+        draft_names: str = DRAFT_NAMES,
     ) -> None:
         """``source``: a module (parameters and persistent buffers), as the
         trainer wrapped it, or a dict of named tensors, or what a registered
@@ -69,19 +72,34 @@ class Sender:
         ``source_rank_of`` maps a DTensor mesh rank (a rank of the trainer's
         default group) to its refit rank (default: the same number).
         ``progress``: draw a progress line during long refits (default: on
-        refit rank 0 when stderr is a terminal)."""
+        refit rank 0 when stderr is a terminal).
+
+        ``draft``: a speculative drafter trained beside the policy (a draft
+        model, an EAGLE head, MTP layers in a module of their own), read as
+        ``source`` is and published under the engine's drafter names: its
+        checkpoint names under ``draft_names`` (``"draft."``, as vLLM
+        engines name a drafter with a checkpoint of its own; ``""`` for MTP
+        layers, which carry the policy checkpoint's names). MTP layers
+        inside the policy module need nothing: they are the policy's."""
         if rank is None:
             rank = default_rank()
         if rank >= config.num_sources:
             raise ValueError(f"trainer rank {rank} but the refit group has {config.num_sources} source ranks")
-        self._describe: Callable[[], tuple] | None = lambda: describe_trainer(
-            source,
-            rank=rank,
-            rename=rename,
-            model_type=model_type,
-            include_buffers=include_buffers,
-            source_rank_of=source_rank_of,
-        )
+
+        def describe(src: Any) -> Description:
+            return describe_trainer(
+                src,
+                rank=rank,
+                rename=rename,
+                model_type=model_type if src is source else None,
+                include_buffers=include_buffers,
+                source_rank_of=source_rank_of,
+            )
+
+        if draft is None:
+            self._describe: Callable[[], tuple] | None = lambda: describe(source)
+        else:
+            self._describe = lambda: with_draft(describe(source), describe(draft), draft_names)
         pieces, grids, tensors = self._describe()
         layout = build_layout(rank, pieces, grids)
         self._init(config, rank, layout, tensors, device, budget_bytes, round_bytes, progress)

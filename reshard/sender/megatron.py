@@ -139,6 +139,12 @@ _LAYER_RULES: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ),
     (r"mlp\.shared_experts\.linear_fc2\.weight", "copy", ("mlp.{shared}.down_proj.weight",)),
     (r"mlp\.shared_experts\.gate_weight", "copy", ("mlp.shared_expert_gate.weight",)),
+    # Multi-token prediction layers (``mtp.layers.{i}``, numbered after the
+    # decoder's: DeepSeek-V3-style checkpoints, ``model.layers.{num_layers + i}``).
+    (r"enorm\.weight", "copy", ("enorm.weight",)),
+    (r"hnorm\.weight", "copy", ("hnorm.weight",)),
+    (r"eh_proj\.weight", "copy", ("eh_proj.weight",)),
+    (r"final_layernorm\.weight", "copy", ("shared_head.norm.weight",)),
 )
 _LAYER_RES = tuple((re.compile(p + "$"), kind, out) for p, kind, out in _LAYER_RULES)
 _TOP_RULES: dict[str, tuple[str, tuple[str, ...]]] = {
@@ -355,9 +361,8 @@ def megatron_pieces(
         if tied and not shared_emb:
             raise ValueError("the checkpoint ties embeddings and LM head; the Megatron model does not")
         for name, t, is_param in _named_tensors(chunk):
-            if name.startswith("mtp."):
-                continue  # multi-token prediction layers: not in transformers' checkpoint names
-            lt, entries = _describe(chunk, name, t, ranks=ranks, cfg=cfg)
+            mtp = _mtp_layer(chunk, name, cfg) if name.startswith("mtp.") else None
+            lt, entries = _describe(chunk, name, t, ranks=ranks, cfg=cfg, mtp=mtp)
             local = name if len(chunks) == 1 else f"chunk{ci}.{name}"
             dtype = str(t.dtype).removeprefix("torch.")
             for gname, full, regions in entries:
@@ -383,12 +388,36 @@ def megatron_pieces(
 
 
 _Entry = tuple[str, tuple[int, ...], list[_Region]]
+_MTP_NAME = re.compile(r"^mtp\.layers\.(\d+)\.(.+)$")
 
 
-def _describe(chunk: Any, name: str, t: Any, *, ranks: MegatronRanks, cfg: Any) -> tuple[Any, list[_Entry]]:
-    """(local tensor, [(global name, full shape, regions)]) of one parameter or buffer."""
-    m = _LAYER_NAME.match(name)
+def _mtp_layer(chunk: Any, name: str, cfg: Any) -> tuple[str, Any]:
+    """A multi-token prediction parameter (``mtp.layers.{i}.*``) in global
+    form: the decoder layer after the last (``decoder.layers.{num_layers + i}.*``,
+    as DeepSeek-V3-style checkpoints number MTP layers), and the transformer
+    layer inside it (``None`` for its own norms and projection)."""
+    m = _MTP_NAME.match(name)
     if m is None:
+        raise ValueError(f"Megatron parameter {name!r}: not an MTP layer's (mtp.layers.<i>.<name>)")
+    i, rest = int(m.group(1)), m.group(2)
+    layer = chunk.mtp.layers[i]
+    index = int(cfg.num_layers) + i
+    for inner in ("mtp_model_layer.", "transformer_layer."):
+        if rest.startswith(inner):
+            return f"decoder.layers.{index}.{rest[len(inner) :]}", getattr(layer, inner[:-1])
+    return f"decoder.layers.{index}.{rest}", None
+
+
+def _describe(
+    chunk: Any, name: str, t: Any, *, ranks: MegatronRanks, cfg: Any, mtp: tuple[str, Any] | None = None
+) -> tuple[Any, list[_Entry]]:
+    """(local tensor, [(global name, full shape, regions)]) of one parameter
+    or buffer (``mtp``: its global form and transformer layer, see :func:`_mtp_layer`)."""
+    m = _LAYER_NAME.match(name)
+    if mtp is not None:
+        gname, layer = mtp
+        rest = gname.split(".", 3)[3]
+    elif m is None:
         gname, rest, layer = name, name, None
     else:
         layer = chunk.decoder.layers[int(m.group(1))]

@@ -40,12 +40,14 @@ import functools
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from reshard.errors import ReshardError
 from reshard.models.names import CheckpointNames
 from reshard.plan.specs import GridSpec, PieceSpec
 from reshard.sender import deepspeed, fsdp1, lora_adapter, megatron, peft
 from reshard.sender.held import Held, held_pieces
 from reshard.sender.pieces import default_rename, describe_module
 from reshard.sender.readers import Description, ReadContext, TrainerReader
+from reshard.transport.locals import LocalTensors, Tensors
 
 if TYPE_CHECKING:
     import torch
@@ -295,3 +297,51 @@ def _refuse_twice(pieces: list[PieceSpec], grids: list[GridSpec], more: list[Pie
             + (f" (and {len(both) - 1} more)" if len(both) > 1 else "")
             + "; pass a rename function that drops one"
         )
+
+
+DRAFT_NAMES = "draft."
+"""The canonical prefix of a draft module's tensors beside a policy (the
+names a vLLM engine gives a drafter with a checkpoint of its own:
+``reshard.adapters.vllm.drafter.DRAFT_NAMES``)."""
+
+
+def with_draft(policy: Description, draft: Description, names: str = DRAFT_NAMES) -> Description:
+    """``policy`` and a draft module trained beside it (``draft``) as one
+    trainer rank's tensors: the draft's checkpoint names under ``names``
+    (``"draft."`` for a separate draft model or an EAGLE head, ``""`` for
+    MTP layers kept in a module of their own under the policy's names), its
+    local tensors apart from the policy's. A name both publish is refused."""
+    from reshard.plan.layout import TensorMeta
+
+    def plain(tensors: Any, what: str) -> Mapping[str, Any]:
+        if isinstance(tensors, Tensors):
+            return tensors.tensors
+        if isinstance(tensors, LocalTensors):
+            raise ReshardError(
+                f"the {what} is read with a lifecycle of its own ({type(tensors).__name__}): "
+                "a draft module beside it is not supported"
+            )
+        return tensors
+
+    local = "draft:"
+    pieces = [
+        dataclasses.replace(
+            p, tensor=TensorMeta(names + p.tensor.name, p.tensor.shape, p.tensor.dtype), local=local + p.local
+        )
+        for p in draft.pieces
+    ]
+    # A grid's chunk is the local tensor named like its canonical tensor.
+    grids = [
+        dataclasses.replace(g, tensor=TensorMeta(names + g.tensor.name, g.tensor.shape, g.tensor.dtype))
+        for g in draft.grids
+    ]
+    gridded = {g.tensor.name: names + g.tensor.name for g in draft.grids}
+    ours = {p.tensor.name for p in policy.pieces} | {g.tensor.name for g in policy.grids}
+    theirs = {p.tensor.name for p in pieces} | {g.tensor.name for g in grids}
+    both = sorted(ours & theirs)
+    if both:
+        raise ReshardError(f"the policy and its draft module both publish {both[:5]}: give the draft its own names")
+    tensors = dict(plain(policy.tensors, "policy"))
+    for k, v in plain(draft.tensors, "draft module").items():
+        tensors[gridded.get(k, local + k)] = v
+    return Description(list(policy.pieces) + pieces, list(policy.grids) + grids, tensors)

@@ -37,6 +37,12 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="vLLM: a LoRA policy, merged vs adapter-only vs TRL's gather-and-broadcast vs an adapter file",
     )
+    ap.add_argument(
+        "--draft",
+        action="store_true",
+        help="vLLM: a speculative engine across refits, its drafter refit with the policy vs left stale",
+    )
+    ap.add_argument("--spec-tokens", type=int, default=3, help="--draft: draft tokens per step")
     ap.add_argument("--lora-rank", type=int, default=16, help="--lora: the adapter's rank")
     ap.add_argument("--lr", type=float, default=1e-6, help="--delta: the AdamW learning rate")
     ap.add_argument("--master", default="bfloat16", choices=["bfloat16", "float32"], help="--delta: trainer dtype")
@@ -59,6 +65,25 @@ def main(argv: list[str] | None = None) -> int:
         saved = os.dup(1)
         os.dup2(2, 1)
     try:
+        if args.draft:
+            if args.engine != "vllm":
+                ap.error("--draft runs into vLLM")
+            from reshard.tools.draft_bench import format_draft_result, run_draft_bench
+
+            res = run_draft_bench(
+                size_mb=args.size_mb,
+                tp=args.tp or 1,
+                reps=args.reps,
+                spec_tokens=args.spec_tokens,
+                workdir=args.workdir,
+                say=say,
+            )
+            if saved is not None:
+                os.dup2(saved, 1)
+                os.close(saved)
+                saved = None
+            print(json.dumps(res, indent=2) if args.json else format_draft_result(res))
+            return 0
         if args.lora:
             if args.engine != "vllm":
                 ap.error("--lora runs into vLLM")

@@ -267,6 +267,11 @@ class EngineStats(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """vLLM: where the apply's time went, by step (``reshard.adapters.vllm.update.STEPS``)."""
     loader_tensors: int = 0
     """Tensors that went through the engine's own loader (not plain copies)."""
+    drafter: str = ""
+    """vLLM with speculative decoding: ``refit`` (the drafter took this refit
+    beside the target), ``frozen`` (left alone, as told); ``""``: no drafter."""
+    drafter_kept_bytes: int = 0
+    """Of ``kept_bytes``, the drafter's own (what it does not share with the target)."""
     post_load_seconds: float = 0.0
     """SGLang: its loaders and post-load hooks after the transfer."""
     learn_seconds: float = 0.0

@@ -6,7 +6,7 @@ weight-transfer ``init_info`` (native backend), or SGLang's custom loader.
 All three carry a :class:`GroupSpec` (msgspec, JSON): the
 :class:`~reshard.transport.group.GroupConfig` fields of scope ``group``
 (those every rank shares; :func:`reshard.transport.config.settings`), plus
-the worker options (``engine_offset``, ``budget_bytes``, ``atomic``).
+the worker options (``engine_offset``, ``budget_bytes``, ``atomic``, ``draft``).
 Per-rank fields stay behind (``host_store``, ``store_bind``; ``domain``
 unless a driver sets one for the engine), and so does the job token unless
 the driver asks (offline engines, in the driver's own process tree):
@@ -60,7 +60,12 @@ class GroupSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     """Delta refits (``GroupConfig.delta``): workers keep what they received
     and take only what changed since (``docs/delta.md``)."""
 
-    WORKER_OPTIONS: ClassVar[tuple[str, ...]] = ("engine_offset", "budget_bytes", "atomic")
+    draft: str = "refit"
+    """vLLM with speculative decoding: ``refit``, the drafter is a
+    destination of every refit beside the target (a trainer must publish
+    its tensors, or the plan fails naming them); ``frozen``: it is left alone."""
+
+    WORKER_OPTIONS: ClassVar[tuple[str, ...]] = ("engine_offset", "budget_bytes", "atomic", "draft")
     """The fields that are the engine workers' own options, not group settings."""
 
     @classmethod
@@ -73,6 +78,7 @@ class GroupSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
         atomic: bool = False,
         domain: str | None = None,
         with_token: bool = False,
+        draft: str = "refit",
     ) -> GroupSpec:
         """The spec of ``config`` for one engine (per-rank fields left out;
         ``domain``: the engine's own domain label, if the driver knows it)."""
@@ -83,6 +89,7 @@ class GroupSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
             engine_offset=engine_offset,
             budget_bytes=budget_bytes,
             atomic=atomic,
+            draft=draft,
         )
 
     @classmethod

@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["SCRATCH", "compare_states", "model_state"]
+__all__ = ["DRAFTER", "SCRATCH", "compare_states", "engine_model_state", "model_state"]
 
 SCRATCH = frozenset({"kv_cache", "kv_caches", "workspace", "workspace13", "workspace2", "_workspace", "handler_tensor"})
 """Attribute names never compared: per-request state, scratch buffers, native handles."""
@@ -108,6 +108,23 @@ def model_state(model: torch.nn.Module, *, probe: bool = True) -> dict[str, str]
                 y = _probe(mod)
                 if y is not None:
                     out[prefix + "<apply>"] = digest(y)
+    return out
+
+
+DRAFTER = "drafter:"
+"""The prefix of a drafter's paths in :func:`engine_model_state`."""
+
+
+def engine_model_state(
+    model: torch.nn.Module, drafter: torch.nn.Module | None = None, *, probe: bool = True
+) -> dict[str, str]:
+    """:func:`model_state` of an engine's target ``model`` and of its
+    speculative ``drafter`` (paths under :data:`DRAFTER`; its modules shared
+    with the target by reference are digested under both), so equal to a
+    fresh engine's means both are."""
+    out = model_state(model, probe=probe)
+    if drafter is not None:
+        out.update({DRAFTER + k: v for k, v in model_state(drafter, probe=probe).items()})
     return out
 
 

@@ -124,15 +124,31 @@ class ReshardEngine(WeightTransferEngine[ReshardInitInfo, ReshardUpdateInfo]):
     receiver: Any = None
     init_info_cls = ReshardInitInfo
     update_info_cls = ReshardUpdateInfo
-    supports_draft_weight_update = False
+    supports_draft_weight_update = True
+    worker: Any = None
+    """The vLLM worker this engine serves (set by the worker guard): where its drafter is found."""
+    draft_session: bool = False
+    """The open session is vLLM's draft session (``start_draft_weight_update``)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         _install_worker_guard()
 
+    def set_weight_update_target(self, model: Any, model_config: Any) -> None:
+        """vLLM's draft session retargets the engine at the drafter: its
+        refits then pull the drafter's layout alone (sliced, see
+        :meth:`reshard.adapters.vllm.receiver.VllmReceiver.pull_drafter`)."""
+        super().set_weight_update_target(model, model_config)
+        self.draft_session = model is not self._default_model
+
+    def reset_weight_update_target(self) -> None:
+        super().reset_weight_update_target()
+        self.draft_session = False
+
     def init_transfer_engine(self, init_info: ReshardInitInfo) -> None:
         import torch.distributed as dist
 
+        from reshard.adapters.vllm.drafter import find_drafter
         from reshard.adapters.vllm.receiver import VllmReceiver
 
         self.shutdown()
@@ -147,15 +163,26 @@ class ReshardEngine(WeightTransferEngine[ReshardInitInfo, ReshardUpdateInfo]):
             budget_bytes=spec.budget_bytes,
             atomic=spec.atomic,
             vllm_config=self.vllm_config,
+            drafter=find_drafter(self.worker) if self.worker is not None else None,
+            draft=spec.draft,
         )
 
     def start_weight_update(self) -> None:
         if self.receiver is None:
             raise RuntimeError("init_weight_transfer_engine must succeed before a weight update")
+        if self.draft_session and self.receiver.draft_mode in ("", "frozen"):
+            raise ReshardError(
+                "no drafter to update: "
+                + ("the drafter was declared frozen (draft='frozen')" if self.receiver.draft_mode else "none")
+            )
 
     def receive_weights(self, update_info: ReshardUpdateInfo) -> None:
         refit, method = update_info.refit, update_info.method
-        if update_info.phase == "stage":
+        if self.draft_session:
+            if update_info.phase != "pull":
+                raise ReshardError(f"a draft session refits in one phase, not {update_info.phase!r}")
+            self.receiver.pull_drafter(refit, method=method)
+        elif update_info.phase == "stage":
             self.receiver.stage(refit, method=method)
         elif update_info.phase == "commit":
             self.receiver.commit(refit, wait_s=self.receiver.timeout_s)
@@ -177,8 +204,7 @@ class ReshardEngine(WeightTransferEngine[ReshardInitInfo, ReshardUpdateInfo]):
 _GUARDED = (
     "init_weight_transfer_engine",
     "start_weight_update",
-    # reshard does not update draft models: every worker refuses, and without
-    # the guard their queued replies would answer the next call.
+    # A draft session's start fails where the drafter was declared frozen.
     "start_draft_weight_update",
     "update_weights",
     "finish_weight_update",
@@ -204,6 +230,7 @@ def _guarded(phase: str, method):
         engine = getattr(worker, "weight_transfer_engine", None)
         if not isinstance(engine, ReshardEngine):
             return method(worker, *args, **kwargs)
+        engine.worker = worker
         error: BaseException | None = None
         out = None
         try:
@@ -361,6 +388,9 @@ class _OfflineClient:
     def start_weight_update(self) -> None:
         self.llm.start_weight_update()
 
+    def start_draft_weight_update(self) -> None:
+        self.llm.start_draft_weight_update()
+
     def update_weights(self, update_info: dict[str, Any]) -> None:
         self.llm.update_weights(WeightTransferUpdateRequest(update_info=update_info))
 
@@ -387,7 +417,16 @@ class ReshardTrainerEngine(TrainerWeightTransferEngine[ReshardTrainerInitInfo]):
     pause_mode: str = "wait"
 
     @classmethod
-    def trainer_init(cls, init_info: ReshardTrainerInitInfo, *, client, source=None) -> ReshardTrainerEngine:
+    def trainer_init(
+        cls, init_info: ReshardTrainerInitInfo, *, client, source=None, draft=None, draft_names: str = "draft."
+    ) -> ReshardTrainerEngine:
+        """``draft``: a speculative drafter trained beside the policy,
+        published with it under the engine's drafter names (see
+        :class:`reshard.Sender`): refit with the target
+        (``worker_init={"draft": "refit"}``, the default), or in vLLM's
+        draft sessions (:meth:`send_draft_weights`, with
+        ``worker_init={"draft": "separate"}``). (vLLM's factory passes no
+        ``draft``: call this class's ``trainer_init`` for one.)"""
         from reshard.sender import Sender
         from reshard.transport.group import serve_store
 
@@ -398,7 +437,8 @@ class ReshardTrainerEngine(TrainerWeightTransferEngine[ReshardTrainerInitInfo]):
             raise ValueError(f"pause_mode must be wait, keep, abort or None, got {init_info.pause_mode!r}")
         self = cls(client=weight_sync_client(client), source=source, is_sender=init_info.is_sender)
         cfg = init_info.group_config()
-        self.sender = Sender(module, config=cfg, rank=init_info.rank)
+        draft = getattr(draft, "_module", draft)
+        self.sender = Sender(module, config=cfg, rank=init_info.rank, draft=draft, draft_names=draft_names)
         self.refits = 0
         self.two_phase = init_info.two_phase
         self.pause_mode = init_info.pause_mode or _server_pause_mode(self.client)
@@ -418,9 +458,29 @@ class ReshardTrainerEngine(TrainerWeightTransferEngine[ReshardTrainerInitInfo]):
             return
         push_beside(push, functools.partial(self._drive, refit), cancel=self.sender.cancel)
 
-    def _drive(self, refit: int, pushed: threading.Event) -> None:
+    def send_draft_weights(self) -> None:
+        """Refit the engine's drafter alone, in vLLM's draft session
+        (``start_draft_weight_update``, update, finish; every trainer rank,
+        collectively): each worker pulls the drafter's slices it keeps, the
+        trainer ranks push what they publish (the policy's bytes do not
+        move). Needs a ``draft`` at :meth:`trainer_init`."""
+        self.refits += 1
+        refit = self.refits
+        push = functools.partial(self.sender.push, refit)
+        if not self.is_sender:
+            push()
+            return
+        push_beside(push, functools.partial(self._drive, refit, draft=True), cancel=self.sender.cancel)
+
+    def _drive(self, refit: int, pushed: threading.Event, *, draft: bool = False) -> None:
         """The engine's side of refit ``refit``, through vLLM's weight-sync client."""
         client = self.client
+        if draft:
+            _call(_draft_start(client))
+            _call(client.update_weights, asdict(ReshardUpdateInfo(refit=refit)))
+            _call(client.finish_weight_update)
+            reset_prefix_cache(client)
+            return
         _call(client.start_weight_update)
         if not self.two_phase:
             _call(client.update_weights, asdict(ReshardUpdateInfo(refit=refit)))
@@ -439,6 +499,23 @@ class ReshardTrainerEngine(TrainerWeightTransferEngine[ReshardTrainerInitInfo]):
 
     def shutdown(self) -> None:
         self.sender.close()
+
+
+def _draft_start(client: Any):
+    """``client``'s start of a draft session: its own method where it has
+    one, else vLLM's ``POST /start_draft_weight_update`` (vLLM 0.32's HTTP
+    client has no method for it)."""
+    start = getattr(client, "start_draft_weight_update", None)
+    if start is not None:
+        return start
+    post = getattr(client, "_post", None)
+    if post is None:
+        raise ReshardError(f"{type(client).__name__} cannot start vLLM's draft session")
+
+    def start_draft_weight_update() -> None:
+        post("/start_draft_weight_update")
+
+    return start_draft_weight_update
 
 
 def _call(fn, *args: Any) -> None:

@@ -14,6 +14,11 @@
    complete transfer.
 4. ``finish``: the applier drains; its error fails the refit on every rank.
 
+With a speculative drafter, ``update`` is a
+:class:`~reshard.adapters.vllm.drafter.WithDrafter`: the target's and the
+drafter's layerwise reloads side by side, names under ``drafter:`` the
+drafter's (or the drafter's alone, in vLLM's draft session).
+
 Used as a context manager around the pull: leaving it on an error stops
 the applier after the layer in progress, so the worker can put back what
 was not processed (:meth:`LayerwiseUpdate.abort`).
@@ -26,6 +31,7 @@ from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING
 
 from reshard.adapters.vllm.applier import Applier
+from reshard.adapters.vllm.drafter import WithDrafter
 from reshard.adapters.vllm.update import LayerwiseUpdate
 from reshard.transport.locals import LocalTensors
 
@@ -46,7 +52,7 @@ class LayerwiseRefit(LocalTensors):
 
     def __init__(
         self,
-        update: LayerwiseUpdate,
+        update: LayerwiseUpdate | WithDrafter,
         pool: cf.ThreadPoolExecutor,
         *,
         idle: bool,
@@ -62,6 +68,7 @@ class LayerwiseRefit(LocalTensors):
         if buffers is None:
             self.applier = Applier(update.after_round, pool, idle=idle)
         else:
+            assert isinstance(update, LayerwiseUpdate), "delta refits of a drafter are refused at start"
             self.applier = Applier(lambda i, changed: update.load_released(buffers, changed, i), pool, idle=idle)
 
     def __enter__(self) -> LayerwiseRefit:

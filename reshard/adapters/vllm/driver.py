@@ -316,7 +316,12 @@ class VllmEngines:
     weights leaves a worker *mixed*; a server with such a worker stays
     paused (it queues requests and generates nothing) until a refit
     succeeds, and :class:`reshard.errors.MixedWeightsError` names the engine.
-    :attr:`mixed` lists them."""
+    :attr:`mixed` lists them.
+
+    ``draft``: engines with a speculative drafter refit it beside the target
+    (``"refit"``: the trainer publishes its tensors, under the drafter's
+    names, or the plan fails naming them) or leave it alone (``"frozen"``;
+    :mod:`reshard.adapters.vllm.drafter`)."""
 
     def __init__(
         self,
@@ -329,6 +334,7 @@ class VllmEngines:
         stage_budget_bytes: int | None = None,
         sleeping: bool = False,
         wake_kv_cache: bool = True,
+        draft: str = "refit",
     ) -> None:
         if pause_mode not in (None, "wait", "keep", "abort"):
             raise ValueError(f"pause_mode {pause_mode!r}: use 'wait', 'keep', 'abort' or None")
@@ -342,6 +348,7 @@ class VllmEngines:
         self.stage_budget_bytes = stage_budget_bytes
         self.sleeping = sleeping
         self.wake_kv_cache = wake_kv_cache
+        self.draft = draft
         self.mixed: list[Any] = []
         self.workers: list[list[WorkerReply]] = []
         self.config: GroupConfig | None = None
@@ -366,6 +373,7 @@ class VllmEngines:
                 engine_offset=offset,
                 budget_bytes=self.budget_bytes,
                 atomic=self.atomic,
+                draft=self.draft,
                 # The job token never travels over HTTP: servers read
                 # $RESHARD_TOKEN from their own environment.
                 with_token=not isinstance(e, HttpEngine),

@@ -146,9 +146,14 @@ class ReshardWorkerExtension:
         return runner.get_model() if hasattr(runner, "get_model") else runner.model
 
     def reshard_state(self, probe: bool | str = True) -> dict[str, str]:
-        from reshard.adapters.core.state import model_state
+        """The target's state and its drafter's (under ``drafter:``)."""
+        from reshard.adapters.core.state import engine_model_state
+        from reshard.adapters.vllm.drafter import find_drafter
 
-        return model_state(self._reshard_model(), probe=bool(_flag(probe)))
+        drafter = find_drafter(self)
+        return engine_model_state(
+            self._reshard_model(), drafter.model if drafter is not None else None, probe=bool(_flag(probe))
+        )
 
     def reshard_status(self) -> dict[str, Any]:
         """``stats``: ``{"ready": joined, "refit": last good refit}``; ``mixed``:
@@ -160,6 +165,7 @@ class ReshardWorkerExtension:
         return WorkerReply(ok=True, rank=r.rank, mixed=r.mixed, stats=stats).to_builtins()
 
     def _reshard_init(self, spec: GroupSpec) -> WorkerReply:
+        from reshard.adapters.vllm.drafter import find_drafter
         from reshard.adapters.vllm.receiver import VllmReceiver
 
         old = getattr(self, "_reshard", None)
@@ -176,12 +182,16 @@ class ReshardWorkerExtension:
             budget_bytes=spec.budget_bytes,
             atomic=spec.atomic,
             vllm_config=self.vllm_config,
+            drafter=find_drafter(self),
+            draft=spec.draft,
         )
         stats = {
             "pieces": len(r.learned.pieces),
             "params": len(r.learned.local_shapes),
             "kept_bytes": r.kept_bytes,
             "learn_seconds": r.learn_seconds,
+            "drafter": r.draft_mode,
+            "drafter_kept_bytes": r.drafter_kept_bytes,
         }
         return WorkerReply(ok=True, rank=rank, stats=stats)
 

@@ -41,6 +41,14 @@ from typing import TYPE_CHECKING, Any
 from reshard.adapters.core.recording import LearnedLayout
 from reshard.adapters.vllm.destination import LayerwiseRefit
 from reshard.adapters.vllm.direct import direct_layers
+from reshard.adapters.vllm.drafter import (
+    DRAFT_MODES,
+    Drafter,
+    LearnedDrafter,
+    WithDrafter,
+    drafter_worker,
+    learn_drafter,
+)
 from reshard.adapters.vllm.layout import learn_layout
 from reshard.adapters.vllm.lifecycle import (
     followers,
@@ -48,7 +56,7 @@ from reshard.adapters.vllm.lifecycle import (
 )
 from reshard.adapters.vllm.update import LayerwiseUpdate, WorkerModel, keeps_backups
 from reshard.errors import MixedWeightsError, ReshardError
-from reshard.plan.layout import TensorMeta
+from reshard.plan.layout import Layout, TensorMeta
 from reshard.plan.specs import build_layout
 from reshard.receiver import EngineReceiver, Receiver
 from reshard.transport.group import GroupConfig
@@ -167,10 +175,20 @@ class VllmReceiver(EngineReceiver):
         tensors: list[TensorMeta] | None = None,
         atomic: bool = False,
         vllm_config=None,
+        drafter: Drafter | None = None,
+        draft: str = "refit",
+        draft_tensors: list[TensorMeta] | None = None,
     ) -> None:
         """``atomic``: the default for :meth:`pull` (see there).
         ``vllm_config``: the worker's config, current while this receiver
-        builds its layout and pulls (as during vLLM's own weight loading)."""
+        builds its layout and pulls (as during vLLM's own weight loading).
+        ``drafter``: the worker's speculative drafter, refit with the target
+        (``draft="refit"``: its tensors join the layout, see
+        :mod:`reshard.adapters.vllm.drafter`; ``draft_tensors``: its
+        checkpoint's, by default read from its headers) or left alone
+        (``draft="frozen"``)."""
+        if draft not in DRAFT_MODES:
+            raise ReshardError(f"draft={draft!r}: expected one of {DRAFT_MODES}")
         self.model = model
         self.atomic = atomic
         self.mixed = False
@@ -187,10 +205,27 @@ class VllmReceiver(EngineReceiver):
                 f"engine rank {rank}: the layout learned from vLLM's loaders is incomplete, so refits would "
                 "leave stale weights:\n  " + "\n  ".join(problems[:20])
             )
-        self.layout = build_layout(rank, self.learned.pieces)
-        modules = dict(model.named_modules())
+        self.draft_mode = draft if drafter is not None else ""
+        self._drafter_source = drafter
+        self._draft_tensors = draft_tensors
+        self.drafter: LearnedDrafter | None = None
+        self.draft_worker: WorkerModel | None = None
+        self.draft_layout: Layout | None = None
+        """The drafter's pieces alone: the layout of a draft session's refit."""
+        self.rank = rank
         self.device = device
         self._cpu = str(device).split(":")[0] == "cpu"
+        if drafter is not None and draft != "frozen" and config.delta:
+            raise ReshardError(
+                f"engine rank {rank}: delta refits of an engine with a drafter are not supported; "
+                "refit without deltas, or say the drafter is frozen (draft='frozen')"
+            )
+        if drafter is not None and draft == "refit":
+            self._learn_drafter()
+        self.layout = build_layout(
+            rank, self.learned.pieces + (self.drafter.pieces if self.drafter and draft == "refit" else [])
+        )
+        modules = dict(model.named_modules())
         self._buffers: dict[str, torch.Tensor] | None = None
         self._stage_stream: Any = None
         """The CUDA stream two-phase stages receive on (beside the engine's)."""
@@ -214,7 +249,6 @@ class VllmReceiver(EngineReceiver):
             backup_direct=keeps_backups(device),
             device=None if self._cpu else device,
         )
-        self.rank = rank
         # Every pull says which tensors it lands in (its ``into``).
         self.receiver = Receiver(
             {}, config=config, rank=rank, layout=self.layout, device=device, budget_bytes=budget_bytes
@@ -226,6 +260,21 @@ class VllmReceiver(EngineReceiver):
         self._apply_pool = cf.ThreadPoolExecutor(1, thread_name_prefix="reshard-apply")
         self._staging: _Staging | None = None
 
+    def _learn_drafter(self) -> LearnedDrafter:
+        """Learn the drafter from its own loaders (once), and its layout alone
+        (a draft session's)."""
+        if self.drafter is not None:
+            return self.drafter
+        drafter = self._drafter_source
+        if drafter is None:
+            raise ReshardError(f"engine rank {self.rank}: this engine has no drafter (no speculative decoding)")
+        with vllm_context(self.vllm_config):
+            learned = learn_drafter(drafter, self.model, self._draft_tensors, rank=self.rank)
+            self.draft_worker = drafter_worker(learned, rank=self.rank, device=self.device)
+        self.draft_layout = build_layout(self.rank, learned.pieces)
+        self.drafter = learned
+        return learned
+
     @property
     def timeout_s(self) -> float:
         """The refit group's timeout (how long a commit waits for its stage)."""
@@ -234,7 +283,16 @@ class VllmReceiver(EngineReceiver):
     @property
     def kept_bytes(self) -> int:
         """Bytes of checkpoint tensors this worker keeps, in the dtypes it keeps them."""
-        return sum(p.box.numel * _itemsize(p.local_dtype or p.tensor.dtype) for p in self.learned.pieces)
+        target = sum(p.box.numel * _itemsize(p.local_dtype or p.tensor.dtype) for p in self.learned.pieces)
+        return target + (self.drafter_kept_bytes if self.draft_mode == "refit" else 0)
+
+    @property
+    def drafter_kept_bytes(self) -> int:
+        """What the drafter keeps of its own (0: no drafter, or not learned:
+        one that is not refit)."""
+        if self.drafter is None:
+            return 0
+        return sum(p.box.numel * _itemsize(p.local_dtype or p.tensor.dtype) for p in self.drafter.pieces)
 
     def pull(self, refit: int, *, method: str = "reshard", atomic: bool | None = None) -> EngineStats:
         """Receive refit ``refit`` into the live model (collective with every refit rank).
@@ -259,14 +317,16 @@ class VllmReceiver(EngineReceiver):
 
     def _pull(self, refit: int, method: str, atomic: bool) -> EngineStats:
         self._wait_staging()
+        if self.receiver.layout is not self.layout:
+            self.receiver.set_layout(self.layout)
         t0 = time.perf_counter()
         if self.delta and atomic:
             stats = self.receiver.pull(refit, method=method, into=self._base())
             received = time.perf_counter() - t0
-            update = self._apply(refit, stats.touched)
-            return self._account(stats, update, t0, atomic=True, stage_seconds=received)
+            applied = self._apply(refit, stats.touched)
+            return self._account(stats, applied, t0, atomic=True, stage_seconds=received)
         buffers = self._staging_buffers() if self.delta else None
-        update = LayerwiseUpdate(self.worker, refit, atomic=atomic)
+        update = self._update(refit, atomic)
         try:
             with (
                 self._applying(update),
@@ -275,6 +335,7 @@ class VllmReceiver(EngineReceiver):
                 stats = self.receiver.pull(refit, method=method, into=into)
                 received = time.perf_counter() - t0
                 if buffers is not None:
+                    assert isinstance(update, LayerwiseUpdate), "delta refits of a drafter are refused at start"
                     update.load_from(buffers, None if stats.touched is None else set(stats.touched))
                 # (The baseline has no rounds of ours: its first write starts the lifecycle.)
                 update.end()
@@ -286,10 +347,17 @@ class VllmReceiver(EngineReceiver):
             return self._account(stats, update, t0, atomic=atomic)
         return self._account(stats, update, t0, atomic=atomic, stage_seconds=received)
 
-    def _account(self, stats: RefitStats, update: LayerwiseUpdate, t0: float, **more: Any) -> EngineStats:
+    def _update(self, refit: int, atomic: bool) -> LayerwiseUpdate | WithDrafter:
+        """One refit in vLLM's layerwise lifecycle: the target's, and its drafter's beside it."""
+        update = LayerwiseUpdate(self.worker, refit, atomic=atomic)
+        if self.draft_worker is None or self.drafter is None:
+            return update
+        drafter = LayerwiseUpdate(self.draft_worker, refit, atomic=atomic)
+        return WithDrafter(update, drafter, self.drafter.shared_modules)
+
+    def _account(self, stats: RefitStats, update: LayerwiseUpdate | WithDrafter, t0: float, **more: Any) -> EngineStats:
         """This worker's account of a refit (:attr:`last_stats`), built here alone."""
-        self.last_stats = EngineStats.of_refit(
-            stats,
+        fields: dict[str, Any] = dict(
             apply_seconds=update.process_seconds,
             refit_seconds=time.perf_counter() - t0,
             kept_bytes=self.kept_bytes,
@@ -301,9 +369,45 @@ class VllmReceiver(EngineReceiver):
             layers_skipped=len(update.skipped),
             delta=self.delta,
             staging_bytes=self.staging_bytes,
-            **more,
+            drafter=self.draft_mode,
+            drafter_kept_bytes=self.drafter_kept_bytes if self.draft_mode == "refit" else 0,
         )
+        fields.update(more)
+        self.last_stats = EngineStats.of_refit(stats, **fields)
         return self.last_stats
+
+    # -- the drafter's own refits ----------------------------------------------------
+
+    def pull_drafter(self, refit: int, *, method: str = "reshard") -> EngineStats:
+        """Receive refit ``refit`` into the drafter alone (vLLM's draft
+        session, ``start_draft_weight_update``): a refit whose layout is the
+        drafter's pieces (trainer ranks publish its tensors only), each
+        layer in the drafter's layerwise reload. Tensors it shares with the
+        target are the target's and left alone. Refused for a drafter
+        declared ``frozen``."""
+        with vllm_context(self.vllm_config), on_device(self.device):
+            self._wait_staging()
+            if self.draft_mode == "frozen":
+                raise ReshardError(f"engine rank {self.rank}: the drafter was declared frozen (draft='frozen')")
+            learned = self._learn_drafter()
+            assert self.draft_worker is not None and self.draft_layout is not None
+            t0 = time.perf_counter()
+            self.receiver.set_layout(self.draft_layout)
+            update = WithDrafter(None, LayerwiseUpdate(self.draft_worker, refit), learned.shared_modules)
+            with (
+                self._applying(update),
+                LayerwiseRefit(update, self._apply_pool, idle=self._cpu) as into,
+            ):
+                stats = self.receiver.pull(refit, method=method, into=into)
+                update.end()
+            return self._account(
+                stats,
+                update,
+                t0,
+                drafter="refit",
+                kept_bytes=self.drafter_kept_bytes,
+                drafter_kept_bytes=self.drafter_kept_bytes,
+            )
 
     # -- delta refits ----------------------------------------------------------
 
@@ -379,6 +483,13 @@ class VllmReceiver(EngineReceiver):
         fails, nothing changed. :meth:`staging_state` says when it is done,
         :meth:`commit` applies it (with generation paused)."""
         self._wait_staging()
+        if self.drafter is not None:
+            raise ReshardError(
+                f"engine rank {self.rank}: two-phase refits of an engine with a drafter are not supported; refit "
+                "in place, or say the drafter is frozen (draft='frozen')"
+            )
+        if self.receiver.layout is not self.layout:
+            self.receiver.set_layout(self.layout)
         into = self._base()
         job = _Staging(refit, method)
 
@@ -455,7 +566,7 @@ class VllmReceiver(EngineReceiver):
         return stats
 
     @contextlib.contextmanager
-    def _applying(self, update: LayerwiseUpdate) -> Iterator[None]:
+    def _applying(self, update: LayerwiseUpdate | WithDrafter) -> Iterator[None]:
         """Run ``update`` (live tensors released after loading take the new
         values, see :func:`reshard.adapters.vllm.lifecycle.adopt_released_kernels`);
         if it fails, put back the old weights of every layer not yet processed

@@ -92,6 +92,10 @@ class WorkerModel:
     so), and an atomic refit writes no layer in place."""
     device: Any = None
     """Where loader tensors are received (the worker's device; ``None``: the host)."""
+    prefix: str = ""
+    """The prefix of this model's local names in the worker's plan (a
+    drafter's, :data:`reshard.adapters.vllm.drafter.DRAFT_LOCAL`): plan
+    entries without it are another model's."""
 
     def __post_init__(self) -> None:
         if not self.modules:
@@ -219,7 +223,12 @@ class LayerwiseUpdate:
                 touched = [t.dst.local for ts in rnd.recvs.values() for t in ts]
                 touched += [t.dst.local for t in rnd.copies]
                 touched += [t.src.local for ts in rnd.sends.values() for t in ts if t.kind == "fwd"]
+                prefix = self.owner.prefix
                 for local in touched:
+                    if prefix:
+                        if not local.startswith(prefix):
+                            continue
+                        local = local[len(prefix) :]
                     layer = self.layer_of.get(local)
                     if layer is not None:
                         layer.release_round = max(layer.release_round, rnd.index)
