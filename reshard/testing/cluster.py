@@ -95,9 +95,18 @@ def remove_stale() -> list[str]:
         name = line.split()[0] if line.strip() else ""
         m = _NAME.match(name)
         if m and not _alive(int(m.group(1))):
+            kill_inside(name)
             _run("ip", "netns", "del", name, check=False)
             gone.append(name)
     return gone
+
+
+def kill_inside(netns: str) -> None:
+    """Kill every process still running inside ``netns`` (one this module created)."""
+    out = _run("ip", "netns", "pids", netns, check=False).stdout
+    for pid in (int(x) for x in out.split() if x.isdigit()):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signal.SIGKILL)
 
 
 def _cleanup_all() -> None:
@@ -152,6 +161,7 @@ class NodeCluster:
     nodes: list[Node] = field(default_factory=list, init=False)
     prefix: str = field(default="", init=False)
     closed: bool = field(default=False, init=False)
+    procs: list[subprocess.Popen[Any]] = field(default_factory=list, init=False, repr=False)
 
     def __post_init__(self) -> None:
         global _count
@@ -210,6 +220,8 @@ class NodeCluster:
             return
         parent = ["root"]
         if self.delay is not None:
+            # Needs the kernel's sch_netem module (absent from some
+            # containers' kernels: "Specified qdisc kind is unknown").
             _run("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root", "handle", "1:", "netem",
                  "delay", self.delay, "limit", "100000")  # fmt: skip
             parent = ["parent", "1:1"]
@@ -237,8 +249,10 @@ class NodeCluster:
         return {n.index: link_counters(n.netns, n.veth) for n in self.nodes}
 
     def popen(self, node: Node, argv: list[str], **kw: Any) -> subprocess.Popen[Any]:
-        """``argv`` started inside ``node``'s namespace."""
-        return subprocess.Popen(node.command(*argv), **kw)
+        """``argv`` started inside ``node``'s namespace (killed by :meth:`close`)."""
+        proc = subprocess.Popen(node.command(*argv), **kw)
+        self.procs.append(proc)
+        return proc
 
     def close(self) -> None:
         """Remove every namespace (and with it every link) of this cluster."""
@@ -248,6 +262,13 @@ class NodeCluster:
             self.closed = True
             if self in _live:
                 _live.remove(self)
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.kill()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=10)
+        for ns in [n.netns for n in self.nodes] + [self.switch]:
+            kill_inside(ns)
         for node in self.nodes:
             _run("ip", "netns", "del", node.netns, check=False)
         _run("ip", "netns", "del", self.switch, check=False)

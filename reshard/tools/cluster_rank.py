@@ -14,6 +14,7 @@ The values of refit ``n`` come from ``seed`` (each tensor's own generator);
 with ``changed`` (a fraction), every ``round(1 / changed)``-th element of
 each tensor differs from the values of ``base_seed`` (a delta refit's step).
 
+A step's ``gate`` (a path) holds the step back until that file exists.
 A ``hook`` on a trainer rank (``{"refit": n, "round": k, "dir": path}``)
 makes that rank, after round ``k`` of refit ``n`` completed, create
 ``path/reached`` and wait for ``path/go``: whoever drives the cluster takes
@@ -134,7 +135,9 @@ def _run(spec: dict[str, Any]) -> None:
                 tensors[m.name].copy_(full[lo:hi])
 
         def make(v: dict[str, Any]):
-            return Sender.from_pieces([], tensors, config=_config(spec, v), rank=rank, grids=grids)
+            return Sender.from_pieces(
+                [], tensors, config=_config(spec, v), rank=rank, grids=grids, round_bytes=spec.get("round_bytes")
+            )
     else:
         side = engine_layouts(metas, case.config, EngineSpec(tp=case.engine_tp, dp=case.engine_dp), base=t)
         layout = side.layout_of(rank)
@@ -144,7 +147,9 @@ def _run(spec: dict[str, Any]) -> None:
             local.setdefault(s.local, torch.zeros(s.local_shape, dtype=torch.bfloat16))
 
         def make(v: dict[str, Any]):
-            return Receiver(local, config=_config(spec, v), rank=rank, layout=layout)
+            return Receiver(
+                local, config=_config(spec, v), rank=rank, layout=layout, round_bytes=spec.get("round_bytes")
+            )
 
         def correct(step: dict[str, Any]) -> bool:
             cache: dict[str, Any] = {}
@@ -166,12 +171,17 @@ def _run(spec: dict[str, Any]) -> None:
             ends[v] = make(variants[v])
         end = ends[v]
         method = step.get("method", "reshard")
+        gate = step.get("gate")
+        while gate and not Path(gate).exists():
+            time.sleep(0.05)
         out: dict[str, Any] = {"refit": step["n"], "variant": v, "method": method, "rank": rank}
         t0 = time.monotonic()
         try:
             if rank < t:
                 fill(step)
-                st = end.push(step["n"], method=method, after_round=_hook(spec, step["n"]) if method == "reshard" else None)
+                st = end.push(
+                    step["n"], method=method, after_round=_hook(spec, step["n"]) if method == "reshard" else None
+                )
             else:
                 if step.get("zero", True):
                     for x in local.values():
@@ -215,6 +225,10 @@ def _raw(session: Any, rank: int, pairs: list[list[int]], volume: int) -> dict[s
 
 
 def main() -> None:
+    import faulthandler
+    import signal
+
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     spec = json.loads(sys.stdin.readline())
     if "store" in spec:
         _store(spec["store"])
