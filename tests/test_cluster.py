@@ -42,14 +42,17 @@ def _in(c: NodeCluster, i: int, code: str, timeout: float = 60) -> str:
 
 
 def test_nodes_reach_each_other_only_inside_their_namespaces_and_are_removed():
-    root_addrs = subprocess.run(["ip", "-o", "addr"], capture_output=True, text=True, check=True).stdout
+    def addresses() -> str:
+        return subprocess.run(["ip", "-o", "addr"], capture_output=True, text=True, check=True).stdout
+
+    root_addrs = addresses()
     with NodeCluster(2, rate="100mbit") as c:
         names = {n.netns for n in c.nodes} | {c.switch}
         assert names <= _namespaces()
         assert [n.address for n in c.nodes] == [f"{NETWORK}.1", f"{NETWORK}.2"]
         # Nothing of the cluster is visible in this process's namespace.
-        assert f"{NETWORK}." not in subprocess.run(["ip", "-o", "addr"], capture_output=True, text=True).stdout
-        assert subprocess.run(["ip", "-o", "addr"], capture_output=True, text=True).stdout == root_addrs
+        assert f"{NETWORK}." not in addresses()
+        assert addresses() == root_addrs
         before = c.counters()
         port = free_port()
         server = c.popen(

@@ -48,12 +48,11 @@ switch), veth ends ``...n<i>`` inside the node, ``...s<i>`` on the switch."""
 _NAME = re.compile(rf"^{PREFIX}(\d+)x\d+")
 _lock = threading.Lock()
 _live: list[NodeCluster] = []
-_count = 0
-_handlers_installed = False
+_state = {"count": 0, "handlers": 0}
 
 
 def _run(*cmd: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=30)
+    out = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=30)
     if check and out.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed ({out.returncode}): {out.stderr.strip()}")
     return out
@@ -121,10 +120,9 @@ def _on_signal(signum: int, frame: Any) -> None:
 
 
 def _install_handlers() -> None:
-    global _handlers_installed
-    if _handlers_installed:
+    if _state["handlers"]:
         return
-    _handlers_installed = True
+    _state["handlers"] = 1
     atexit.register(_cleanup_all)
     if threading.current_thread() is threading.main_thread():
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
@@ -164,7 +162,6 @@ class NodeCluster:
     procs: list[subprocess.Popen[Any]] = field(default_factory=list, init=False, repr=False)
 
     def __post_init__(self) -> None:
-        global _count
         if not 1 <= self.nodes_count <= 200:
             raise ValueError(f"a cluster has 1 to 200 nodes, got {self.nodes_count}")
         why = unavailable()
@@ -173,8 +170,8 @@ class NodeCluster:
         remove_stale()
         _install_handlers()
         with _lock:
-            _count += 1
-            self.prefix = f"{PREFIX}{os.getpid()}x{_count}"
+            _state["count"] += 1
+            self.prefix = f"{PREFIX}{os.getpid()}x{_state['count']}"
             _live.append(self)
         try:
             self._build()

@@ -222,7 +222,7 @@ def route_source(host: str, port: int) -> str | None:
             continue
         import ipaddress
 
-        ip = ipaddress.ip_address(local.split("%")[0])
+        ip = ipaddress.ip_address(local.split("%", maxsplit=1)[0])
         return None if ip.is_loopback else local
     return None
 
