@@ -26,12 +26,26 @@ class Cluster:
     """Cost of one point-to-point message on the sending and receiving GPU."""
     round_latency_s: float = 20e-6
     """Cost of one grouped round (launch and completion of a batch of sends)."""
+    nic_per_host: bool = False
+    """One NIC per host, shared by all its GPUs (``nic_gbit`` is then the
+    host's); ``False``: one rail per GPU (DGX, GB200)."""
+    broadcast: str = "ring"
+    """How gather-and-broadcast's broadcast moves: ``ring`` (NCCL's pipelined
+    chain: the bytes once through the slowest link) or ``tree`` (gloo's:
+    whole buckets hop down a binomial tree, ``ceil(log2(n))`` times the bytes
+    through the root's link)."""
+    refit_seconds: float = 0.0
+    """A fixed cost of every refit whatever its bytes: the control plane's
+    agreements on the store (joins excluded), the plan, the process group's
+    first messages."""
 
     def __post_init__(self) -> None:
         if self.gpus_per_host < 1 or self.hosts_per_domain < 1:
             raise ValueError(f"cluster {self.name}: hosts and domains need at least one GPU")
         if self.nic_gbit <= 0 or self.nvlink_gbyte <= 0 or self.hbm_gbyte <= 0:
             raise ValueError(f"cluster {self.name}: bandwidths must be positive")
+        if self.broadcast not in ("ring", "tree"):
+            raise ValueError(f"cluster {self.name}: broadcast is ring or tree, got {self.broadcast!r}")
 
     @property
     def gpus_per_domain(self) -> int:

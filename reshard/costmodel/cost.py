@@ -82,27 +82,37 @@ class LinkLoads:
     recv: Counter = field(default_factory=Counter)
     net_bytes: int = 0
     nvl_bytes: int = 0
+    host_of: dict = field(default_factory=dict)
+    """Per GPU, its host (NICs shared per host: ``Cluster.nic_per_host``)."""
+
+    def nics(self, cluster: Cluster) -> tuple[Counter, Counter]:
+        """Bytes into and out of each NIC: per GPU, or per host where its GPUs share one."""
+        if not cluster.nic_per_host:
+            return self.nic_in, self.nic_out
+        nic_in: Counter = Counter()
+        nic_out: Counter = Counter()
+        for g, b in self.nic_in.items():
+            nic_in[self.host_of[g]] += b
+        for g, b in self.nic_out.items():
+            nic_out[self.host_of[g]] += b
+        return nic_in, nic_out
+
+    def nic_seconds(self, cluster: Cluster) -> float:
+        nic_in, nic_out = self.nics(cluster)
+        return max((b / cluster.nic_bytes_per_s for b in (*nic_in.values(), *nic_out.values())), default=0.0)
 
     @property
     def gpus(self) -> set:
         return set(self.nic_in) | set(self.nic_out) | set(self.nvl_in) | set(self.nvl_out) | set(self.same_gpu)
 
     def seconds(self, cluster: Cluster) -> float:
-        """The busiest GPU's busiest link (links overlap)."""
-        nic, nvl, hbm = cluster.nic_bytes_per_s, cluster.nvlink_bytes_per_s, cluster.hbm_bytes_per_s
-        return max(
-            (
-                max(
-                    self.nic_in[g] / nic,
-                    self.nic_out[g] / nic,
-                    self.nvl_in[g] / nvl,
-                    self.nvl_out[g] / nvl,
-                    self.same_gpu[g] / hbm,
-                )
-                for g in self.gpus
-            ),
+        """The busiest link (links overlap): a GPU's, or a NIC's."""
+        nvl, hbm = cluster.nvlink_bytes_per_s, cluster.hbm_bytes_per_s
+        inside = max(
+            (max(self.nvl_in[g] / nvl, self.nvl_out[g] / nvl, self.same_gpu[g] / hbm) for g in self.gpus),
             default=0.0,
         )
+        return max(inside, self.nic_seconds(cluster))
 
 
 def link_loads(
@@ -113,6 +123,7 @@ def link_loads(
     ``wire(src, dst, bytes)``: what a pair on two GPUs puts on the wire
     (default: its bytes)."""
     out = LinkLoads()
+    out.host_of = dict(zip(placement.gpu_of, placement.host_of, strict=True))
     for (s, d), b in traffic.pairs.items():
         gs, gd = placement.gpu_of[s], placement.gpu_of[d]
         if gs != gd and wire is not None:
@@ -135,7 +146,7 @@ def link_loads(
 
 
 def reshard_cost(traffic: Traffic, cluster: Cluster, placement: Deployment) -> MethodCost:
-    nic, nvl, hbm = cluster.nic_bytes_per_s, cluster.nvlink_bytes_per_s, cluster.hbm_bytes_per_s
+    nvl, hbm = cluster.nvlink_bytes_per_s, cluster.hbm_bytes_per_s
     loads = link_loads(traffic, placement)
     rounds = traffic.num_rounds
     messages: Counter = Counter()
@@ -144,7 +155,7 @@ def reshard_cost(traffic: Traffic, cluster: Cluster, placement: Deployment) -> M
         messages[placement.gpu_of[s]] += m
         messages[placement.gpu_of[d]] += m
     gpus = loads.gpus
-    nic_t = max((max(loads.nic_in[g], loads.nic_out[g]) / nic for g in gpus), default=0.0)
+    nic_t = loads.nic_seconds(cluster)
     nvl_t = max((max(loads.nvl_in[g], loads.nvl_out[g]) / nvl for g in gpus), default=0.0)
     hbm_t = max((loads.same_gpu[g] / hbm for g in gpus), default=0.0)
     round_t = rounds * cluster.round_latency_s
@@ -154,8 +165,9 @@ def reshard_cost(traffic: Traffic, cluster: Cluster, placement: Deployment) -> M
         local_bytes=sum(loads.same_gpu.values()),
         max_rank_recv_bytes=max(loads.recv.values(), default=0),
         max_rank_send_bytes=max(loads.send.values(), default=0),
-        estimated_seconds=loads.seconds(cluster) + round_t,
+        estimated_seconds=loads.seconds(cluster) + round_t + cluster.refit_seconds,
         breakdown={
+            "refit_seconds": cluster.refit_seconds,
             "nic_seconds": nic_t,
             "nvlink_seconds": nvl_t,
             "same_gpu_seconds": hbm_t,
@@ -215,14 +227,19 @@ def gather_broadcast_cost(
     crosses = any(placement.domain_of[root] not in engine_domains for root, _ in stages) or len(engine_domains) > 1
     bcast_bw = nic if crosses else nvl
     hops = n_engine
-    bcast_t = total / bcast_bw + hops * cluster.message_latency_s
+    # NCCL's ring pipelines the bytes once through the slowest link; gloo's
+    # binomial tree sends whole buckets, ceil(log2(members)) levels deep, and
+    # the root's link carries one copy per level.
+    levels = (n_engine).bit_length() if cluster.broadcast == "tree" else 1
+    bcast_t = levels * total / bcast_bw + hops * cluster.message_latency_s
     return MethodCost(
         network_bytes=net + bcast_net,
         nvlink_bytes=nvlink + bcast_nvl,
         max_rank_recv_bytes=max(max_recv, total),
         max_rank_send_bytes=total,
-        estimated_seconds=gather_t + bcast_t,
+        estimated_seconds=gather_t + bcast_t + cluster.refit_seconds,
         breakdown={
+            "refit_seconds": cluster.refit_seconds,
             "gather_seconds": gather_t,
             "broadcast_seconds": bcast_t,
             "overlapped_seconds": max(gather_t, bcast_t),
