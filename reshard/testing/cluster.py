@@ -155,7 +155,8 @@ class NodeCluster:
     rate: str | None = None
     delay: str | None = None
     burst: str | None = None
-    """The token bucket's depth (``None``: a 20th of a second at ``rate``, at least 64 KiB)."""
+    """The token bucket's depth (``None``: 4 ms at ``rate``, at least 64 KiB: a deeper
+    bucket lets short transfers run faster than the rate)."""
     nodes: list[Node] = field(default_factory=list, init=False)
     prefix: str = field(default="", init=False)
     closed: bool = field(default=False, init=False)
@@ -282,7 +283,7 @@ class NodeCluster:
 
 def _burst(rate: str) -> str:
     bits = _rate_bits(rate)
-    return str(max(64 * 1024, int(bits / 8 / 20)))
+    return str(max(64 * 1024, int(bits / 8 / 250)))
 
 
 def _rate_bits(rate: str) -> float:

@@ -11,7 +11,9 @@ plain point-to-point transfer of the same volume between two processes
 (``raw_p2p``), the bandwidth a perfect refit would reach.
 
 ``reshard bench --engine vllm`` measures refits into a real engine instead
-(:mod:`reshard.tools.engine_bench`).
+(:mod:`reshard.tools.engine_bench`); ``reshard bench --nodes N --link RATE``
+across nodes simulated by network namespaces with shaped links
+(:mod:`reshard.tools.cluster_bench`).
 
 Cases: ``default`` (trainer fsdp=2, one engine tp=2), ``replicas``
 (trainer fsdp=2, two engine replicas tp=2 in one NVLink-like domain, so one
@@ -450,6 +452,11 @@ def main(argv: list[str] | None = None) -> int:
         from reshard.tools.engine_cli import main as engine_main
 
         return engine_main(argv)
+    if argv and any(a == "--nodes" or a.startswith("--nodes=") for a in argv):
+        # Across simulated nodes: see reshard.tools.cluster_bench.
+        from reshard.tools.cluster_bench import main as cluster_main
+
+        return cluster_main(argv)
     ap = argparse.ArgumentParser(
         prog="reshard bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
