@@ -32,8 +32,8 @@ class Cluster:
     broadcast: str = "ring"
     """How gather-and-broadcast's broadcast moves: ``ring`` (NCCL's pipelined
     chain: the bytes once through the slowest link) or ``tree`` (gloo's:
-    whole buckets hop down a binomial tree, ``ceil(log2(n))`` times the bytes
-    through the root's link)."""
+    whole buckets hop down a binomial tree, level after level;
+    :func:`reshard.costmodel.cost.tree_broadcast_seconds`)."""
     refit_seconds: float = 0.0
     """A fixed cost of every refit whatever its bytes: the control plane's
     agreements on the store (joins excluded), the plan, the process group's

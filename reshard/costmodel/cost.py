@@ -43,7 +43,15 @@ from reshard.plan.index import LayoutSet
 from reshard.plan.planner import Planner
 from reshard.plan.traffic import Traffic
 
-__all__ = ["LinkLoads", "MethodCost", "gather_broadcast_cost", "link_loads", "lower_bound", "reshard_cost"]
+__all__ = [
+    "LinkLoads",
+    "MethodCost",
+    "gather_broadcast_cost",
+    "link_loads",
+    "lower_bound",
+    "reshard_cost",
+    "tree_broadcast_seconds",
+]
 
 
 @dataclass(slots=True)
@@ -194,6 +202,7 @@ def gather_broadcast_cost(
     total = 0
     max_recv = 0
     bcast_net = bcast_nvl = 0
+    stage_sizes: list[tuple[int, int]] = []
     for root, names in stages:
         root_dom = placement.domain_of[root]
         stage_bytes = own = near = 0
@@ -215,6 +224,7 @@ def gather_broadcast_cost(
                     own += box.numel * item
                 elif any(placement.domain_of[r] == root_dom for r in ranks):
                     near += box.numel * item
+        stage_sizes.append((root, stage_bytes))
         far = stage_bytes - own - near
         gather_t = max(gather_t, far / nic, near / nvl)
         net += far
@@ -227,11 +237,13 @@ def gather_broadcast_cost(
     crosses = any(placement.domain_of[root] not in engine_domains for root, _ in stages) or len(engine_domains) > 1
     bcast_bw = nic if crosses else nvl
     hops = n_engine
-    # NCCL's ring pipelines the bytes once through the slowest link; gloo's
-    # binomial tree sends whole buckets, ceil(log2(members)) levels deep, and
-    # the root's link carries one copy per level.
-    levels = (n_engine).bit_length() if cluster.broadcast == "tree" else 1
-    bcast_t = levels * total / bcast_bw + hops * cluster.message_latency_s
+    if cluster.broadcast == "tree":
+        # gloo: a binomial tree over [root, *engines], whole buckets per level.
+        bcast_t = sum(tree_broadcast_seconds([root, *engine_ranks], b, cluster, placement) for root, b in stage_sizes)
+        bcast_t += hops * cluster.message_latency_s
+    else:
+        # NCCL's ring pipelines the bytes once through the slowest link.
+        bcast_t = total / bcast_bw + hops * cluster.message_latency_s
     return MethodCost(
         network_bytes=net + bcast_net,
         nvlink_bytes=nvlink + bcast_nvl,
@@ -245,6 +257,40 @@ def gather_broadcast_cost(
             "overlapped_seconds": max(gather_t, bcast_t),
         },
     )
+
+
+def tree_broadcast_seconds(members: list[int], nbytes: int, cluster: Cluster, placement: Deployment) -> float:
+    """A binomial-tree broadcast of ``nbytes`` from ``members[0]`` (gloo's):
+    at level ``k`` each member ``i < 2**k`` sends the whole buffer to member
+    ``i + 2**k``; a level lasts as long as its busiest link (a NIC, shared
+    per host where ``Cluster.nic_per_host``, or a GPU's NVLink), and levels
+    run one after the other."""
+    total = 0.0
+    step = 1
+    n = len(members)
+    while step < n:
+        nic_in: Counter = Counter()
+        nic_out: Counter = Counter()
+        nvl: Counter = Counter()
+        for i in range(min(step, n - step)):
+            s, d = members[i], members[i + step]
+            gs, gd = placement.gpu_of[s], placement.gpu_of[d]
+            if gs == gd:
+                continue
+            if placement.domain_of[s] == placement.domain_of[d]:
+                nvl[gs] += nbytes
+                nvl[gd] += nbytes
+                continue
+            ks = placement.host_of[s] if cluster.nic_per_host else gs
+            kd = placement.host_of[d] if cluster.nic_per_host else gd
+            nic_out[ks] += nbytes
+            nic_in[kd] += nbytes
+        total += max(
+            max((b / cluster.nic_bytes_per_s for b in (*nic_in.values(), *nic_out.values())), default=0.0),
+            max((b / cluster.nvlink_bytes_per_s for b in nvl.values()), default=0.0),
+        )
+        step *= 2
+    return total
 
 
 def _numel(shape: tuple[int, ...]) -> int:

@@ -128,6 +128,12 @@ def _steps(args: argparse.Namespace) -> list[dict[str, Any]]:
                 zero=False,
             )
         )
+    # A delta refit of values that did not change moves headers only: what
+    # every refit costs whatever its bytes (the model's fixed per-refit cost).
+    last = steps[-1]
+    for rep in range(args.warmup + args.reps):
+        n += 1
+        steps.append(dict(last, n=n, name="unchanged", rep=rep, check=False))
     return steps
 
 
@@ -184,7 +190,11 @@ def run_cluster_bench(args: argparse.Namespace) -> dict[str, Any]:
         finally:
             store.kill()
     out = _summarize(args, lay, steps, procs, link_bytes, loop, link)
-    out["prediction"] = predict(args, lay, loop, rate_bytes_per_s(link), _memcpy_rate())
+    if args.refit_seconds is None:
+        args.refit_seconds = out["methods"]["unchanged"]["seconds_median"] or 0.0
+    out["refit_seconds"] = args.refit_seconds
+    out["memcpy_bytes_per_s"] = memcpy = _memcpy_rate()
+    out["prediction"] = predict(args, lay, loop, rate_bytes_per_s(link), memcpy)
     return out
 
 
@@ -195,7 +205,7 @@ def _summarize(args, lay, steps, procs, link_bytes, loop, link) -> dict[str, Any
             by_n.setdefault(r["refit"], []).append(r)
     t = args.trainer_nodes
     methods: dict[str, Any] = {}
-    for name in (*METHODS, "delta"):
+    for name in (*METHODS, "delta", "unchanged"):
         runs = [s for s in steps if s["name"] == name and s["rep"] >= args.warmup]
         times, into, engine_in, ok, correct = [], [], [], True, True
         for s in runs:
@@ -306,6 +316,8 @@ def format_result(res: dict[str, Any]) -> str:
     ]
     pred = res["prediction"]
     for name, m in res["methods"].items():
+        if name == "unchanged":
+            continue
         s = m["seconds_median"]
         p = pred.get(name)
         lines.append(
@@ -332,6 +344,10 @@ def format_result(res: dict[str, Any]) -> str:
             f"delta refit at ~{100 * res['changed']:g}% changed: "
             f"{ms['delta']['seconds_median'] / ms['leaders']['seconds_median']:.2f}x a dense refit's time"
         )
+    lines.append(
+        f"fixed cost per refit (a delta refit of unchanged values, in the model): {res['refit_seconds']:.3f} s; "
+        f"memory copy {res['memcpy_bytes_per_s'] / 1e9:.1f} GB/s (the model's compare and digest rates)"
+    )
     if res["raw_pair_bytes_per_s"]:
         raw = res["raw_pair_bytes_per_s"]
         lead = ms["leaders"]
@@ -362,7 +378,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--changed", type=float, default=0.01, help="share of elements a delta refit changes")
     ap.add_argument("--raw-mb", type=int, default=32)
     ap.add_argument("--timeout", type=float, default=300)
-    ap.add_argument("--refit-seconds", type=float, default=0.0, help="the model's fixed cost per refit")
+    ap.add_argument(
+        "--refit-seconds",
+        type=float,
+        default=None,
+        help="the model's fixed cost per refit (default: measured, a delta refit of unchanged values)",
+    )
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     if args.nodes - args.trainer_nodes < 1:
