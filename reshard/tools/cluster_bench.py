@@ -354,7 +354,8 @@ def format_result(res: dict[str, Any]) -> str:
         line = f"raw point-to-point over one link: {raw * 8 / 1e6:.0f} Mb/s per pair (all trainer nodes at once)"
         if lead["seconds_median"]:
             per_node = lead["engine_node_ingress_median"] / (res["nodes"] - res["trainer_nodes"])
-            line += f"; reshard (leaders) fills each engine node's link at {per_node / lead['seconds_median'] / raw:.2f}x that"
+            fill = per_node / lead["seconds_median"] / raw
+            line += f"; reshard (leaders) fills each engine node's link at {fill:.2f}x that"
         lines.append(line)
     return "\n".join(lines)
 
