@@ -172,3 +172,81 @@ def test_refit_across_hosts_bit_exact_and_a_link_down_mid_refit(tmp_path: Path):
         # statuses after an abort (transport.group.ABORT_GRACE_S).
         assert failed[r]["seconds"] < timeout_s + 10 + 15, failed[r]
     print(json.dumps({r: round(failed[r]["seconds"], 1) for r in failed}))
+
+
+_TRAINER = (
+    "import json, sys\n"
+    "from tests.vllm_support import fsdp_trainer\n"
+    "print('RESULT ' + json.dumps(fsdp_trainer(*json.loads(sys.argv[1]))), flush=True)\n"
+)
+
+
+def test_vllm_engine_on_another_host_refit_equals_a_fresh_engine(tmp_path: Path):
+    """A real ``vllm serve`` (TP=1: a TP=2 server on this 2-core machine
+    costs about two minutes more to start and proves nothing more about
+    hosts, since its workers share one node) on node 2, reached only at its
+    node's address; the store on node 0; 2 FSDP2 trainer ranks on node 1,
+    rank 0 driving the server over HTTP. Afterwards the server's whole
+    state, read over HTTP from node 1, is a fresh engine's."""
+    import os
+
+    from reshard.adapters.core.state import compare_states
+    from reshard.adapters.vllm.driver import HttpEngine, engine_state
+    from reshard.testing import build_tiny_model
+    from reshard.tools.cluster_run import start_store
+    from tests import procs
+    from tests.vllm_support import VllmServer, fresh_greedy_and_state, server_greedy
+
+    v1 = build_tiny_model(tmp_path / "v1", "qwen2", seed=0)
+    v2 = build_tiny_model(tmp_path / "v2", "qwen2", seed=7)
+    fresh = procs.check(procs.run(fresh_greedy_and_state, 1, str(v2), timeout=600))[0]
+    with NodeCluster(3) as c:
+        port = free_port()
+        store = start_store(c, c.nodes[0], port)
+        srv = VllmServer(
+            str(v1),
+            tp=1,
+            dtype="float32",
+            log=str(tmp_path / "server.log"),
+            args=["--worker-extension-cls", "reshard.adapters.vllm.ReshardWorkerExtension"],
+            node=c.nodes[2],
+        )
+        try:
+            before = c.nodes[1].call(server_greedy, srv.url)
+            assert before != fresh["tokens"], "the two checkpoints must generate differently"
+            repo = str(Path(__file__).resolve().parents[1])
+            env = dict(os.environ, PYTHONPATH=os.pathsep.join([repo, os.environ.get("PYTHONPATH", "")]))
+            pg_port = free_port()  # the trainers' own gloo group, on node 1's loopback
+            trainers = [
+                c.popen(
+                    c.nodes[1],
+                    [
+                        sys.executable,
+                        "-c",
+                        _TRAINER,
+                        json.dumps([r, f"{c.nodes[0].address}:{port}", pg_port, str(v2), 2, 1, 1, 0, "", srv.url]),
+                    ],
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    text=True,
+                    env=env,
+                )
+                for r in range(2)
+            ]
+            outs = [t.communicate(timeout=600) for t in trainers]
+            results = [
+                json.loads(o.split("RESULT ", 1)[1].splitlines()[0]) if "RESULT " in o else e[-3000:] for o, e in outs
+            ]
+            assert all(isinstance(r, dict) and r["ok"] for r in results), results
+            workers = results[0]["engine_stats"]
+            assert len(workers) == 1 and workers[0]["ok"]
+            assert workers[0]["bytes_received"] == workers[0]["kept_bytes"]
+            assert c.nodes[1].call(server_greedy, srv.url) == fresh["tokens"]
+            (ours,) = c.nodes[1].call(engine_state, HttpEngine(srv.url))
+            (theirs,) = fresh["state"]
+            assert not compare_states(ours, theirs)
+            # The bytes crossed node links: node 2 took in at least what its worker kept.
+            assert c.counters()[2][1] >= workers[0]["kept_bytes"]
+        finally:
+            srv.close()
+            store.kill()

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["NETWORK", "Node", "NodeCluster", "link_counters", "unavailable"]
+__all__ = ["NETWORK", "Node", "NodeCluster", "call_in", "link_counters", "unavailable"]
 
 NETWORK = "10.249.0"
 """The /24 every node's address comes from (``10.249.0.<i+1>``): an address
@@ -143,6 +143,10 @@ class Node:
     def command(self, *argv: str) -> list[str]:
         """``argv`` run inside this node's namespace."""
         return ["ip", "netns", "exec", self.netns, *argv]
+
+    def call(self, fn: Any, *args: Any) -> Any:
+        """``fn(*args)`` with this node's network (:func:`call_in`)."""
+        return call_in(self.netns, fn, *args)
 
 
 @dataclass
@@ -305,6 +309,37 @@ def link_counters(netns: str, dev: str) -> tuple[int, int]:
     out = _run("ip", "netns", "exec", netns, "cat", f"/sys/class/net/{dev}/statistics/tx_bytes",
                f"/sys/class/net/{dev}/statistics/rx_bytes").stdout.split()  # fmt: skip
     return int(out[0]), int(out[1])
+
+
+def call_in(netns: str, fn: Any, *args: Any) -> Any:
+    """``fn(*args)`` on a helper thread that entered ``netns`` (``setns`` is
+    per thread: the rest of this process stays where it is); its result, or
+    its exception raised here."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    box: list[tuple[bool, Any]] = []
+
+    def target() -> None:
+        try:
+            fd = os.open(f"/var/run/netns/{netns}", os.O_RDONLY)
+            try:
+                if libc.setns(fd, 0x40000000) != 0:  # CLONE_NEWNET
+                    err = ctypes.get_errno()
+                    raise OSError(err, f"setns into {netns}: {os.strerror(err)}")
+            finally:
+                os.close(fd)
+            box.append((True, fn(*args)))
+        except BaseException as e:  # handed to the caller
+            box.append((False, e))
+
+    th = threading.Thread(target=target, name=f"in-{netns}", daemon=True)
+    th.start()
+    th.join()
+    ok, value = box[0]
+    if not ok:
+        raise value
+    return value
 
 
 @contextlib.contextmanager
