@@ -181,13 +181,27 @@ _TRAINER = (
 )
 
 
+ENGINE_TP = 2
+
+
+def _fresh(rank: int, path: str) -> dict:
+    """Greedy tokens and every worker's state of a fresh TP=ENGINE_TP engine on ``path``."""
+    from reshard.adapters.vllm.driver import engine_state
+    from reshard.testing.engines import greedy, shutdown
+    from tests.vllm_support import make_llm
+
+    llm = make_llm(path, ENGINE_TP, extension="reshard.adapters.vllm.ReshardWorkerExtension")
+    try:
+        return {"tokens": greedy(llm), "state": engine_state(llm)}
+    finally:
+        shutdown(llm)
+
+
 def test_vllm_engine_on_another_host_refit_equals_a_fresh_engine(tmp_path: Path):
-    """A real ``vllm serve`` (TP=1: a TP=2 server on this 2-core machine
-    costs about two minutes more to start and proves nothing more about
-    hosts, since its workers share one node) on node 2, reached only at its
-    node's address; the store on node 0; 2 FSDP2 trainer ranks on node 1,
-    rank 0 driving the server over HTTP. Afterwards the server's whole
-    state, read over HTTP from node 1, is a fresh engine's."""
+    """A real ``vllm serve`` with TP=2 on node 2, reached only at its node's
+    address; the store on node 0; 2 FSDP2 trainer ranks on node 1, rank 0
+    driving the server over HTTP. Afterwards the server's whole state (both
+    workers'), read over HTTP from node 1, is a fresh engine's."""
     import os
 
     from reshard.adapters.core.state import compare_states
@@ -195,17 +209,17 @@ def test_vllm_engine_on_another_host_refit_equals_a_fresh_engine(tmp_path: Path)
     from reshard.testing import build_tiny_model
     from reshard.tools.cluster_run import start_store
     from tests import procs
-    from tests.vllm_support import VllmServer, fresh_greedy_and_state, server_greedy
+    from tests.vllm_support import VllmServer, server_greedy
 
     v1 = build_tiny_model(tmp_path / "v1", "qwen2", seed=0)
     v2 = build_tiny_model(tmp_path / "v2", "qwen2", seed=7)
-    fresh = procs.check(procs.run(fresh_greedy_and_state, 1, str(v2), timeout=600))[0]
+    fresh = procs.check(procs.run(_fresh, 1, str(v2), timeout=600, daemon=False))[0]
     with NodeCluster(3) as c:
         port = free_port()
         store = start_store(c, c.nodes[0], port)
         srv = VllmServer(
             str(v1),
-            tp=1,
+            tp=ENGINE_TP,
             dtype="float32",
             log=str(tmp_path / "server.log"),
             args=["--worker-extension-cls", "reshard.adapters.vllm.ReshardWorkerExtension"],
@@ -224,7 +238,7 @@ def test_vllm_engine_on_another_host_refit_equals_a_fresh_engine(tmp_path: Path)
                         sys.executable,
                         "-c",
                         _TRAINER,
-                        json.dumps([r, f"{c.nodes[0].address}:{port}", pg_port, str(v2), 2, 1, 1, 0, "", srv.url]),
+                        json.dumps([r, f"{c.nodes[0].address}:{port}", pg_port, str(v2), 2, ENGINE_TP, 1, 0, "", srv.url]),
                     ],
                     stdout=subprocess.PIPE,
                     stderr=subprocess.PIPE,
@@ -239,14 +253,15 @@ def test_vllm_engine_on_another_host_refit_equals_a_fresh_engine(tmp_path: Path)
             ]
             assert all(isinstance(r, dict) and r["ok"] for r in results), results
             workers = results[0]["engine_stats"]
-            assert len(workers) == 1 and workers[0]["ok"]
-            assert workers[0]["bytes_received"] == workers[0]["kept_bytes"]
+            assert len(workers) == ENGINE_TP and all(w["ok"] for w in workers)
+            assert all(w["bytes_received"] == w["kept_bytes"] for w in workers)
             assert c.nodes[1].call(server_greedy, srv.url) == fresh["tokens"]
-            (ours,) = c.nodes[1].call(engine_state, HttpEngine(srv.url))
-            (theirs,) = fresh["state"]
-            assert not compare_states(ours, theirs)
-            # The bytes crossed node links: node 2 took in at least what its worker kept.
-            assert c.counters()[2][1] >= workers[0]["kept_bytes"]
+            ours = c.nodes[1].call(engine_state, HttpEngine(srv.url))
+            assert len(ours) == len(fresh["state"]) == ENGINE_TP
+            for mine, theirs in zip(ours, fresh["state"], strict=True):
+                assert not compare_states(mine, theirs)
+            # The bytes crossed node links: node 2 took in at least what its workers kept.
+            assert c.counters()[2][1] >= sum(w["kept_bytes"] for w in workers)
         finally:
             srv.close()
             store.kill()
