@@ -231,6 +231,7 @@ def test_vllm_engine_on_another_host_refit_equals_a_fresh_engine(tmp_path: Path)
             repo = str(Path(__file__).resolve().parents[1])
             env = dict(os.environ, PYTHONPATH=os.pathsep.join([repo, os.environ.get("PYTHONPATH", "")]))
             pg_port = free_port()  # the trainers' own gloo group, on node 1's loopback
+            store_address = f"{c.nodes[0].address}:{port}"
             trainers = [
                 c.popen(
                     c.nodes[1],
@@ -238,7 +239,7 @@ def test_vllm_engine_on_another_host_refit_equals_a_fresh_engine(tmp_path: Path)
                         sys.executable,
                         "-c",
                         _TRAINER,
-                        json.dumps([r, f"{c.nodes[0].address}:{port}", pg_port, str(v2), 2, ENGINE_TP, 1, 0, "", srv.url]),
+                        json.dumps([r, store_address, pg_port, str(v2), 2, ENGINE_TP, 1, 0, "", srv.url]),
                     ],
                     stdout=subprocess.PIPE,
                     stderr=subprocess.PIPE,
