@@ -29,6 +29,11 @@ optimistic):
    bound if they overlapped perfectly.
 5. Lower bound: each destination domain must receive, across its NICs,
    every byte its ranks need that no rank in it holds (counted once).
+6. ``Cluster.nic_per_host``: a host's ranks share one NIC (its load is the
+   sum of theirs); ``Cluster.broadcast == "tree"``: gloo's binomial tree of
+   whole buckets instead of a ring (:func:`tree_broadcast_seconds`);
+   ``Cluster.refit_seconds``: a fixed cost added to every method.
+   Checked against a measured run: docs/cost-model.md.
 """
 
 from __future__ import annotations

@@ -452,11 +452,6 @@ def main(argv: list[str] | None = None) -> int:
         from reshard.tools.engine_cli import main as engine_main
 
         return engine_main(argv)
-    if argv and any(a == "--nodes" or a.startswith("--nodes=") for a in argv):
-        # Across simulated nodes: see reshard.tools.cluster_bench.
-        from reshard.tools.cluster_bench import main as cluster_main
-
-        return cluster_main(argv)
     ap = argparse.ArgumentParser(
         prog="reshard bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )

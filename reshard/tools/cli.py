@@ -68,6 +68,11 @@ def main(argv: list[str] | None = None) -> int:
             from reshard.tools.delta_bench import main as delta_main
 
             return delta_main(argv[1:])
+        if any(a == "--nodes" or a.startswith("--nodes=") for a in argv[1:]) and "--engine" not in argv:
+            # Across nodes simulated by network namespaces.
+            from reshard.tools.cluster_bench import main as cluster_main
+
+            return cluster_main(argv[1:])
         from reshard.tools.bench import main as bench_main
 
         return bench_main(argv[1:])
