@@ -85,7 +85,7 @@ def test_nodes_reach_each_other_only_inside_their_namespaces_and_are_removed():
     assert not names & _namespaces()
 
 
-@pytest.mark.parametrize("sig", ["TERM", "KILL"])
+@pytest.mark.parametrize("sig", ["TERM", "INT", "KILL"])
 def test_a_killed_run_leaves_no_namespace_behind(sig):
     code = (
         "import sys, time\n"

@@ -11,7 +11,8 @@ veth), and a ``netem`` delay.
 
 Every namespace and link a :class:`NodeCluster` creates carries one name
 prefix, unique to the run (``rsc<pid>``, plus a counter): ``close()`` removes
-them, and so do ``atexit`` and SIGTERM/SIGINT/SIGHUP handlers; a new cluster
+them (and kills what still runs inside), and so do ``atexit`` (Ctrl-C
+included) and SIGTERM/SIGHUP handlers; a new cluster
 first removes what runs of dead processes left behind (a ``kill -9`` leaves
 its namespaces to the next run). Deleting a namespace deletes the veth ends
 inside it, and their peers with them.
@@ -125,8 +126,10 @@ def _install_handlers() -> None:
     _state["handlers"] = 1
     atexit.register(_cleanup_all)
     if threading.current_thread() is threading.main_thread():
-        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-            if signal.getsignal(sig) in (signal.SIG_DFL, signal.default_int_handler, None):
+        # SIGINT raises KeyboardInterrupt, which unwinds through close() and
+        # atexit already; SIGTERM and SIGHUP would end the process without either.
+        for sig in (signal.SIGTERM, signal.SIGHUP):
+            if signal.getsignal(sig) in (signal.SIG_DFL, None):
                 signal.signal(sig, _on_signal)
 
 
