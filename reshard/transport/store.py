@@ -139,9 +139,10 @@ def connect_store(config: GroupConfig, rank: int) -> Any:
         ) from e
 
 
-STORE_CALL_BOUND_S = 10.0
+STORE_CALL_BOUND_S = 30.0
 """The longest one call on the refit store may take (or the group's
-timeout, when shorter) before the store counts as unreachable. A call
+timeout, when shorter) before the store counts as unreachable: generous,
+since a store starved of CPU on a loaded machine answers late but answers. A call
 normally takes a round trip; one sent while the link to the store's host is
 down is retransmitted by TCP for many minutes, and c10d's client waits as
 long (its timeout bounds ``wait``, not a read of an answer that never
