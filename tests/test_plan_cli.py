@@ -132,3 +132,23 @@ def test_gloo_broadcast_tree_levels_add_up_by_their_busiest_link():
     assert tree_broadcast_seconds(list(range(9)), 10, cl, placement) == 10 + 10 + 30 + 10
     ring = Cluster(name="r", gpus_per_host=4, hosts_per_domain=1, nic_gbit=8e-9, nvlink_gbyte=1e9)
     assert ring.broadcast == "ring"
+
+
+def test_a_cluster_is_a_preset_a_description_or_a_preset_changed():
+    from reshard.costmodel.cluster import PRESETS, Cluster
+
+    assert Cluster.parse("dgx-h100") is PRESETS["dgx-h100"]
+    c = Cluster.parse("gpus_per_host=4,nic_gbit=0.4,nvlink-gbyte=5,nic_per_host=1,broadcast=tree,refit_seconds=0.25")
+    assert (c.gpus_per_host, c.hosts_per_domain, c.nic_gbit, c.nvlink_gbyte) == (4, 1, 0.4, 5.0)
+    assert c.nic_per_host and c.broadcast == "tree" and c.refit_seconds == 0.25
+    d = Cluster.parse("dgx-h100:nic_per_host=1")
+    assert d.nic_per_host and d.nic_gbit == PRESETS["dgx-h100"].nic_gbit
+    assert Cluster.parse("netns:gpus_per_host=1,nic_gbit=1,nvlink_gbyte=1").name == "netns"
+    with pytest.raises(ValueError, match="needs nic_gbit, nvlink_gbyte"):
+        Cluster.parse("gpus_per_host=4")
+    with pytest.raises(ValueError, match="'speed=1' is not key=value for one of"):
+        Cluster.parse("gpus_per_host=4,speed=1")
+    with pytest.raises(ValueError, match="broadcast is ring or tree"):
+        Cluster.parse("gpus_per_host=4,nic_gbit=1,nvlink_gbyte=1,broadcast=star")
+    with pytest.raises(ValueError, match="unknown cluster 'dgx'"):
+        Cluster.parse("dgx")

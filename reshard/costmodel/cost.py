@@ -310,5 +310,9 @@ def lower_bound(planner: Planner, cluster: Cluster, placement: Deployment) -> tu
     ingress = planner.domain_ingress()
     seconds = 0.0
     for dom, b in ingress.items():
-        seconds = max(seconds, b / (placement.ranks_in_domain(dom) * cluster.nic_bytes_per_s))
+        if cluster.nic_per_host:
+            nics = len({h for h, d in zip(placement.host_of, placement.domain_of, strict=True) if d == dom})
+        else:
+            nics = placement.ranks_in_domain(dom)
+        seconds = max(seconds, b / (nics * cluster.nic_bytes_per_s))
     return sum(ingress.values()), seconds

@@ -40,7 +40,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--trainer", required=True, help="trainer degrees: fsdp=64 | tp=4,pp=8,ep=16[,etp=1][,dp=4]")
     p.add_argument("--engine", required=True, help="engine degrees: tp=8,dp=16[,ep=on]")
-    p.add_argument("--cluster", required=True, help="dgx-h100 | gb200-nvl72")
+    p.add_argument(
+        "--cluster",
+        required=True,
+        help="dgx-h100 | gb200-nvl72 | a description: gpus_per_host=4,nic_gbit=100,nvlink_gbyte=450"
+        "[,nic_per_host=1][,broadcast=tree][,refit_seconds=0.25]... "
+        "(a preset's fields changed: dgx-h100:nic_per_host=1)",
+    )
     p.add_argument("--colocate", action="store_true", help="engine rank i shares GPU i with trainer rank i")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--round-mib", type=int, default=128, help="tensor data per round (MiB)")
