@@ -16,7 +16,7 @@ SGLANG_STAMP := $(SGLANG_VENV)/.reshard-sglang-setup
 # DeepSpeed trainer): each clone builds into its own folder.
 export TORCH_EXTENSIONS_DIR ?= $(abspath .torch-extensions)
 
-.PHONY: setup sglang-setup demo test lint typecheck unit clean
+.PHONY: setup sglang-setup netns-setup demo test lint typecheck unit clean
 
 setup: $(STAMP)
 
@@ -39,6 +39,11 @@ $(STAMP): requirements/cpu.txt requirements/trainers.txt scripts/trainers_setup.
 	# --no-deps (their pins would move torch, vllm and transformers; checked).
 	bash scripts/frameworks_setup.sh $(VENV)
 	touch $(STAMP)
+
+# iproute2 for tests/test_cluster.py (nodes as network namespaces; root only,
+# the tests skip without it): installed where missing, never fails.
+netns-setup:
+	@bash scripts/netns_setup.sh
 
 # SGLang pins torch 2.14.1: it gets its own venv (about 2 minutes, 6 GB),
 # used by tests/test_sglang.py through RESHARD_SGLANG_VENV.
@@ -64,7 +69,7 @@ typecheck: setup
 DURATIONS ?= 15
 PYTEST := env RESHARD_SGLANG_VENV=$(abspath $(SGLANG_VENV)) $(BIN)/python -m pytest -q --durations=$(DURATIONS)
 
-unit: setup sglang-setup
+unit: setup sglang-setup netns-setup
 	$(PYTEST) tests
 
 # `make test` runs two jobs at a time (this machine has 2 cores, and one
@@ -131,8 +136,9 @@ unit-zoo: setup sglang-setup
 unit-examples: setup sglang-setup
 	$(LANE) $@ $(PYTEST) $(EXAMPLE_TESTS)
 
-# Every other module (the planner, transport, sender and tool tests).
-unit-rest: setup sglang-setup
+# Every other module (the planner, transport, sender and tool tests, and the
+# refits across simulated hosts of tests/test_cluster.py, about 2 minutes as root).
+unit-rest: setup sglang-setup netns-setup
 	$(LANE) $@ $(PYTEST) tests $(addprefix --ignore=,$(LANED))
 
 clean:

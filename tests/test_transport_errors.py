@@ -449,3 +449,46 @@ def test_a_leader_killed_while_forwarding_fails_every_rank_and_the_group_is_rebu
             assert f"rank {leader}" in text, text
             assert noticed(text, leader), text  # from the link to the leader, not a timeout
         assert r["second"] and r["third"], (rank, r)
+
+
+def test_a_store_call_that_gets_no_answer_is_bounded_and_the_connection_counts_as_lost():
+    import threading
+
+    from reshard.transport.store import BoundedStore, StoreCalls, StoreUnreachable
+
+    release = threading.Event()
+
+    class Silent:
+        """A store whose answers never come (the link to its host is down)."""
+
+        def check(self, keys):
+            release.wait(60)
+            return True
+
+        def get(self, key):
+            return b"v"
+
+    calls = StoreCalls("10.0.0.1:1234", bound_s=0.2)
+    store = BoundedStore(Silent(), calls)
+    with pytest.raises(StoreUnreachable, match=r"10\.0\.0\.1:1234 did not answer within 0\.2 s"):
+        store.check(["k"])
+    # Later calls fail at once, even those that would answer.
+    with pytest.raises(StoreUnreachable):
+        store.get("k")
+    release.set()
+    ok = BoundedStore(Silent(), StoreCalls("x:1", bound_s=5))
+    assert ok.get("k") == b"v"
+    with pytest.raises(AttributeError):
+        ok.nothing_like_this  # noqa: B018
+
+
+def test_gloo_advertises_the_address_that_reaches_the_store(monkeypatch):
+    from reshard.transport.joining import gloo_devices, route_source
+
+    # A store on this host's loopback keeps torch's default device; an
+    # address this host cannot route to has no source either.
+    assert route_source("127.0.0.1", 1234) is None
+    assert route_source("no-such-host.invalid", 1234) is None
+    cfg = GroupConfig(address="127.0.0.1:29999", num_sources=1, num_destinations=1)
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
+    assert len(gloo_devices(cfg)) == 1

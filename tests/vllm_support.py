@@ -460,14 +460,20 @@ class VllmServer:
         dtype: str = "bfloat16",
         args: list[str] | None = None,
         env: dict[str, str] | None = None,
+        node: Any = None,
     ) -> None:
+        """``node``: a :class:`reshard.testing.cluster.Node` to serve from
+        (its namespace, its address; this process reaches it through
+        ``node.call``)."""
         import subprocess
         import sys
 
         from tests.procs import free_port
 
         self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        host = node.address if node is not None else "127.0.0.1"
+        self.via = node.call if node is not None else (lambda fn, *a: fn(*a))
+        self.url = f"http://{host}:{self.port}"
         self.model = str(path)
         self.log_path = log
         repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -493,7 +499,7 @@ class VllmServer:
             "--port",
             str(self.port),
             "--host",
-            "127.0.0.1",
+            host,
             "--dtype",
             dtype,
             "--max-model-len",
@@ -510,12 +516,14 @@ class VllmServer:
             *(args or []),
         ]
         self._log = open(log, "w")  # noqa: SIM115 - closed in close()
+        if node is not None:
+            cmd = node.command(*cmd)
         self.proc = subprocess.Popen(cmd, env=env, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
 
         def up() -> bool:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"the vLLM server exited with {self.proc.returncode}:\n{self.log_tail()}")
-            return _http_get(f"{self.url}/health") == 200
+            return self.via(_http_get, f"{self.url}/health") == 200
 
         try:
             wait_for(up, HANG_S, "the vLLM server to come up")

@@ -26,12 +26,66 @@ class Cluster:
     """Cost of one point-to-point message on the sending and receiving GPU."""
     round_latency_s: float = 20e-6
     """Cost of one grouped round (launch and completion of a batch of sends)."""
+    nic_per_host: bool = False
+    """One NIC per host, shared by all its GPUs (``nic_gbit`` is then the
+    host's); ``False``: one rail per GPU (DGX, GB200)."""
+    broadcast: str = "ring"
+    """How gather-and-broadcast's broadcast moves: ``ring`` (NCCL's pipelined
+    chain: the bytes once through the slowest link) or ``tree`` (gloo's:
+    whole buckets hop down a binomial tree, level after level;
+    :func:`reshard.costmodel.cost.tree_broadcast_seconds`)."""
+    refit_seconds: float = 0.0
+    """A fixed cost of every refit whatever its bytes: the control plane's
+    agreements on the store (joins excluded), the plan, the process group's
+    first messages."""
 
     def __post_init__(self) -> None:
         if self.gpus_per_host < 1 or self.hosts_per_domain < 1:
             raise ValueError(f"cluster {self.name}: hosts and domains need at least one GPU")
         if self.nic_gbit <= 0 or self.nvlink_gbyte <= 0 or self.hbm_gbyte <= 0:
             raise ValueError(f"cluster {self.name}: bandwidths must be positive")
+        if self.broadcast not in ("ring", "tree"):
+            raise ValueError(f"cluster {self.name}: broadcast is ring or tree, got {self.broadcast!r}")
+
+    @classmethod
+    def parse(cls, text: str) -> Cluster:
+        """A preset's name, or a description ``key=value,...`` of
+        :class:`Cluster`'s fields (``gpus_per_host``, ``nic_gbit`` and
+        ``nvlink_gbyte`` required; ``nic_per_host=1``, ``broadcast=tree``,
+        ``refit_seconds=0.25`` ...), optionally after a preset or a name and
+        a colon: ``dgx-h100:nic_per_host=1`` changes a preset."""
+        from dataclasses import fields, replace
+
+        if "=" not in text:
+            if text not in PRESETS:
+                raise ValueError(f"unknown cluster {text!r}; presets: {', '.join(sorted(PRESETS))}, or key=value,...")
+            return PRESETS[text]
+        head, _, body = text.rpartition(":") if ":" in text.split("=", 1)[0] else ("", "", text)
+        types = {f.name: f.type for f in fields(cls)}
+        values: dict[str, object] = {}
+        for item in body.split(","):
+            key, eq, raw = item.strip().partition("=")
+            key = key.strip().replace("-", "_")
+            if not eq or key not in types or key == "name":
+                known = ", ".join(k for k in types if k != "name")
+                raise ValueError(f"cluster description: {item.strip()!r} is not key=value for one of: {known}")
+            kind = str(types[key])
+            raw = raw.strip()
+            if "bool" in kind:
+                values[key] = raw.lower() in ("1", "true", "yes", "on")
+            elif "int" in kind:
+                values[key] = int(raw)
+            elif "float" in kind:
+                values[key] = float(raw)
+            else:
+                values[key] = raw
+        if head in PRESETS:
+            return replace(PRESETS[head], name=text, **values)  # type: ignore[arg-type]
+        missing = [k for k in ("gpus_per_host", "nic_gbit", "nvlink_gbyte") if k not in values]
+        if missing:
+            raise ValueError(f"cluster description {text!r} needs {', '.join(missing)}")
+        values.setdefault("hosts_per_domain", 1)
+        return cls(name=head or "custom", **values)  # type: ignore[arg-type]
 
     @property
     def gpus_per_domain(self) -> int:

@@ -29,6 +29,11 @@ optimistic):
    bound if they overlapped perfectly.
 5. Lower bound: each destination domain must receive, across its NICs,
    every byte its ranks need that no rank in it holds (counted once).
+6. ``Cluster.nic_per_host``: a host's ranks share one NIC (its load is the
+   sum of theirs); ``Cluster.broadcast == "tree"``: gloo's binomial tree of
+   whole buckets instead of a ring (:func:`tree_broadcast_seconds`);
+   ``Cluster.refit_seconds``: a fixed cost added to every method.
+   Checked against a measured run: docs/cost-model.md.
 """
 
 from __future__ import annotations
@@ -43,7 +48,15 @@ from reshard.plan.index import LayoutSet
 from reshard.plan.planner import Planner
 from reshard.plan.traffic import Traffic
 
-__all__ = ["LinkLoads", "MethodCost", "gather_broadcast_cost", "link_loads", "lower_bound", "reshard_cost"]
+__all__ = [
+    "LinkLoads",
+    "MethodCost",
+    "gather_broadcast_cost",
+    "link_loads",
+    "lower_bound",
+    "reshard_cost",
+    "tree_broadcast_seconds",
+]
 
 
 @dataclass(slots=True)
@@ -82,27 +95,37 @@ class LinkLoads:
     recv: Counter = field(default_factory=Counter)
     net_bytes: int = 0
     nvl_bytes: int = 0
+    host_of: dict = field(default_factory=dict)
+    """Per GPU, its host (NICs shared per host: ``Cluster.nic_per_host``)."""
+
+    def nics(self, cluster: Cluster) -> tuple[Counter, Counter]:
+        """Bytes into and out of each NIC: per GPU, or per host where its GPUs share one."""
+        if not cluster.nic_per_host:
+            return self.nic_in, self.nic_out
+        nic_in: Counter = Counter()
+        nic_out: Counter = Counter()
+        for g, b in self.nic_in.items():
+            nic_in[self.host_of[g]] += b
+        for g, b in self.nic_out.items():
+            nic_out[self.host_of[g]] += b
+        return nic_in, nic_out
+
+    def nic_seconds(self, cluster: Cluster) -> float:
+        nic_in, nic_out = self.nics(cluster)
+        return max((b / cluster.nic_bytes_per_s for b in (*nic_in.values(), *nic_out.values())), default=0.0)
 
     @property
     def gpus(self) -> set:
         return set(self.nic_in) | set(self.nic_out) | set(self.nvl_in) | set(self.nvl_out) | set(self.same_gpu)
 
     def seconds(self, cluster: Cluster) -> float:
-        """The busiest GPU's busiest link (links overlap)."""
-        nic, nvl, hbm = cluster.nic_bytes_per_s, cluster.nvlink_bytes_per_s, cluster.hbm_bytes_per_s
-        return max(
-            (
-                max(
-                    self.nic_in[g] / nic,
-                    self.nic_out[g] / nic,
-                    self.nvl_in[g] / nvl,
-                    self.nvl_out[g] / nvl,
-                    self.same_gpu[g] / hbm,
-                )
-                for g in self.gpus
-            ),
+        """The busiest link (links overlap): a GPU's, or a NIC's."""
+        nvl, hbm = cluster.nvlink_bytes_per_s, cluster.hbm_bytes_per_s
+        inside = max(
+            (max(self.nvl_in[g] / nvl, self.nvl_out[g] / nvl, self.same_gpu[g] / hbm) for g in self.gpus),
             default=0.0,
         )
+        return max(inside, self.nic_seconds(cluster))
 
 
 def link_loads(
@@ -113,6 +136,7 @@ def link_loads(
     ``wire(src, dst, bytes)``: what a pair on two GPUs puts on the wire
     (default: its bytes)."""
     out = LinkLoads()
+    out.host_of = dict(zip(placement.gpu_of, placement.host_of, strict=True))
     for (s, d), b in traffic.pairs.items():
         gs, gd = placement.gpu_of[s], placement.gpu_of[d]
         if gs != gd and wire is not None:
@@ -135,7 +159,7 @@ def link_loads(
 
 
 def reshard_cost(traffic: Traffic, cluster: Cluster, placement: Deployment) -> MethodCost:
-    nic, nvl, hbm = cluster.nic_bytes_per_s, cluster.nvlink_bytes_per_s, cluster.hbm_bytes_per_s
+    nvl, hbm = cluster.nvlink_bytes_per_s, cluster.hbm_bytes_per_s
     loads = link_loads(traffic, placement)
     rounds = traffic.num_rounds
     messages: Counter = Counter()
@@ -144,7 +168,7 @@ def reshard_cost(traffic: Traffic, cluster: Cluster, placement: Deployment) -> M
         messages[placement.gpu_of[s]] += m
         messages[placement.gpu_of[d]] += m
     gpus = loads.gpus
-    nic_t = max((max(loads.nic_in[g], loads.nic_out[g]) / nic for g in gpus), default=0.0)
+    nic_t = loads.nic_seconds(cluster)
     nvl_t = max((max(loads.nvl_in[g], loads.nvl_out[g]) / nvl for g in gpus), default=0.0)
     hbm_t = max((loads.same_gpu[g] / hbm for g in gpus), default=0.0)
     round_t = rounds * cluster.round_latency_s
@@ -154,8 +178,9 @@ def reshard_cost(traffic: Traffic, cluster: Cluster, placement: Deployment) -> M
         local_bytes=sum(loads.same_gpu.values()),
         max_rank_recv_bytes=max(loads.recv.values(), default=0),
         max_rank_send_bytes=max(loads.send.values(), default=0),
-        estimated_seconds=loads.seconds(cluster) + round_t,
+        estimated_seconds=loads.seconds(cluster) + round_t + cluster.refit_seconds,
         breakdown={
+            "refit_seconds": cluster.refit_seconds,
             "nic_seconds": nic_t,
             "nvlink_seconds": nvl_t,
             "same_gpu_seconds": hbm_t,
@@ -182,6 +207,7 @@ def gather_broadcast_cost(
     total = 0
     max_recv = 0
     bcast_net = bcast_nvl = 0
+    stage_sizes: list[tuple[int, int]] = []
     for root, names in stages:
         root_dom = placement.domain_of[root]
         stage_bytes = own = near = 0
@@ -203,6 +229,7 @@ def gather_broadcast_cost(
                     own += box.numel * item
                 elif any(placement.domain_of[r] == root_dom for r in ranks):
                     near += box.numel * item
+        stage_sizes.append((root, stage_bytes))
         far = stage_bytes - own - near
         gather_t = max(gather_t, far / nic, near / nvl)
         net += far
@@ -215,19 +242,60 @@ def gather_broadcast_cost(
     crosses = any(placement.domain_of[root] not in engine_domains for root, _ in stages) or len(engine_domains) > 1
     bcast_bw = nic if crosses else nvl
     hops = n_engine
-    bcast_t = total / bcast_bw + hops * cluster.message_latency_s
+    if cluster.broadcast == "tree":
+        # gloo: a binomial tree over [root, *engines], whole buckets per level.
+        bcast_t = sum(tree_broadcast_seconds([root, *engine_ranks], b, cluster, placement) for root, b in stage_sizes)
+        bcast_t += hops * cluster.message_latency_s
+    else:
+        # NCCL's ring pipelines the bytes once through the slowest link.
+        bcast_t = total / bcast_bw + hops * cluster.message_latency_s
     return MethodCost(
         network_bytes=net + bcast_net,
         nvlink_bytes=nvlink + bcast_nvl,
         max_rank_recv_bytes=max(max_recv, total),
         max_rank_send_bytes=total,
-        estimated_seconds=gather_t + bcast_t,
+        estimated_seconds=gather_t + bcast_t + cluster.refit_seconds,
         breakdown={
+            "refit_seconds": cluster.refit_seconds,
             "gather_seconds": gather_t,
             "broadcast_seconds": bcast_t,
             "overlapped_seconds": max(gather_t, bcast_t),
         },
     )
+
+
+def tree_broadcast_seconds(members: list[int], nbytes: int, cluster: Cluster, placement: Deployment) -> float:
+    """A binomial-tree broadcast of ``nbytes`` from ``members[0]`` (gloo's):
+    at level ``k`` each member ``i < 2**k`` sends the whole buffer to member
+    ``i + 2**k``; a level lasts as long as its busiest link (a NIC, shared
+    per host where ``Cluster.nic_per_host``, or a GPU's NVLink), and levels
+    run one after the other."""
+    total = 0.0
+    step = 1
+    n = len(members)
+    while step < n:
+        nic_in: Counter = Counter()
+        nic_out: Counter = Counter()
+        nvl: Counter = Counter()
+        for i in range(min(step, n - step)):
+            s, d = members[i], members[i + step]
+            gs, gd = placement.gpu_of[s], placement.gpu_of[d]
+            if gs == gd:
+                continue
+            if placement.domain_of[s] == placement.domain_of[d]:
+                nvl[gs] += nbytes
+                nvl[gd] += nbytes
+                continue
+            ks = placement.host_of[s] if cluster.nic_per_host else gs
+            kd = placement.host_of[d] if cluster.nic_per_host else gd
+            nic_out[ks] += nbytes
+            nic_in[kd] += nbytes
+        total += max(
+            max((b / cluster.nic_bytes_per_s for b in (*nic_in.values(), *nic_out.values())), default=0.0),
+            max((b / cluster.nvlink_bytes_per_s for b in nvl.values()), default=0.0),
+        )
+        step *= 2
+    return total
 
 
 def _numel(shape: tuple[int, ...]) -> int:
@@ -242,5 +310,9 @@ def lower_bound(planner: Planner, cluster: Cluster, placement: Deployment) -> tu
     ingress = planner.domain_ingress()
     seconds = 0.0
     for dom, b in ingress.items():
-        seconds = max(seconds, b / (placement.ranks_in_domain(dom) * cluster.nic_bytes_per_s))
+        if cluster.nic_per_host:
+            nics = len({h for h, d in zip(placement.host_of, placement.domain_of, strict=True) if d == dom})
+        else:
+            nics = placement.ranks_in_domain(dom)
+        seconds = max(seconds, b / (nics * cluster.nic_bytes_per_s))
     return sum(ingress.values()), seconds

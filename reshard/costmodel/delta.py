@@ -78,7 +78,7 @@ def delta_cost(traffic: Traffic, cluster: Cluster, placement: Deployment, a: Del
         local_bytes=sum(loads.same_gpu.values()),
         max_rank_recv_bytes=max(loads.recv.values(), default=0),
         max_rank_send_bytes=max(loads.send.values(), default=0),
-        estimated_seconds=digest_t + compare_t + link_t + round_t,
+        estimated_seconds=digest_t + compare_t + link_t + round_t + cluster.refit_seconds,
         breakdown={
             "changed": a.changed,
             "wire_ratio": ratio,

@@ -7,7 +7,6 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from reshard.costmodel.cluster import PRESETS as CLUSTERS
 from reshard.costmodel.cluster import Cluster, place
 from reshard.costmodel.cost import gather_broadcast_cost, lower_bound, reshard_cost
 from reshard.costmodel.delta import DeltaAssumptions, delta_cost
@@ -117,12 +116,7 @@ def plan_report(
     that share of the elements changed since the last refit."""
     from reshard.models import load_model
 
-    if isinstance(cluster, str):
-        if cluster not in CLUSTERS:
-            raise ValueError(f"unknown cluster {cluster!r}; presets: {', '.join(sorted(CLUSTERS))}")
-        cl = CLUSTERS[cluster]
-    else:
-        cl = cluster
+    cl = Cluster.parse(cluster) if isinstance(cluster, str) else cluster
     spec = load_model(model)
     tspec = TrainerSpec.parse(trainer)
     espec = EngineSpec.parse(engine)

@@ -11,7 +11,9 @@ plain point-to-point transfer of the same volume between two processes
 (``raw_p2p``), the bandwidth a perfect refit would reach.
 
 ``reshard bench --engine vllm`` measures refits into a real engine instead
-(:mod:`reshard.tools.engine_bench`).
+(:mod:`reshard.tools.engine_bench`); ``reshard bench --nodes N --link RATE``
+across nodes simulated by network namespaces with shaped links
+(:mod:`reshard.tools.cluster_bench`).
 
 Cases: ``default`` (trainer fsdp=2, one engine tp=2), ``replicas``
 (trainer fsdp=2, two engine replicas tp=2 in one NVLink-like domain, so one

@@ -40,7 +40,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--trainer", required=True, help="trainer degrees: fsdp=64 | tp=4,pp=8,ep=16[,etp=1][,dp=4]")
     p.add_argument("--engine", required=True, help="engine degrees: tp=8,dp=16[,ep=on]")
-    p.add_argument("--cluster", required=True, help="dgx-h100 | gb200-nvl72")
+    p.add_argument(
+        "--cluster",
+        required=True,
+        help="dgx-h100 | gb200-nvl72 | a description: gpus_per_host=4,nic_gbit=100,nvlink_gbyte=450"
+        "[,nic_per_host=1][,broadcast=tree][,refit_seconds=0.25]... "
+        "(a preset's fields changed: dgx-h100:nic_per_host=1)",
+    )
     p.add_argument("--colocate", action="store_true", help="engine rank i shares GPU i with trainer rank i")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--round-mib", type=int, default=128, help="tensor data per round (MiB)")
@@ -68,6 +74,11 @@ def main(argv: list[str] | None = None) -> int:
             from reshard.tools.delta_bench import main as delta_main
 
             return delta_main(argv[1:])
+        if any(a == "--nodes" or a.startswith("--nodes=") for a in argv[1:]) and "--engine" not in argv:
+            # Across nodes simulated by network namespaces.
+            from reshard.tools.cluster_bench import main as cluster_main
+
+            return cluster_main(argv[1:])
         from reshard.tools.bench import main as bench_main
 
         return bench_main(argv[1:])

@@ -251,13 +251,15 @@ def _broadcast_group(group: RefitGroup, root: int, engines: list[int], device) -
 
     from torch.distributed import PrefixStore, ProcessGroupGloo
 
+    from reshard.transport.joining import gloo_devices
+
     members = [root, *engines]
     store = PrefixStore(f"bcast/{root}", group.store)
     timeout = datetime.timedelta(seconds=group.config.timeout_s)
     if group.backend == "gloo":
         opts = ProcessGroupGloo._Options()  # type: ignore[attr-defined]
         opts._timeout = timeout
-        opts._devices = [ProcessGroupGloo.create_default_device()]
+        opts._devices = gloo_devices(group.config)
         return ProcessGroupGloo(store, members.index(group.rank), len(members), opts)
     from reshard.transport.joining import nccl_pg
 

@@ -888,4 +888,7 @@ class Executor:
                 if msg is not None:
                     raise self._error(f"stopped: {msg}")
             if now >= deadline:
-                raise self._error(f"{what} did not complete within {group.config.timeout_s}s")
+                raise self._error(
+                    f"{what} did not complete within {group.config.timeout_s}s (exchanging with ranks {peers}: "
+                    "one of them, or the link to it, is down, hung or too slow)"
+                )

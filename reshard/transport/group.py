@@ -51,7 +51,7 @@ from reshard.transport import joining, wire
 from reshard.transport.auth import JobKeys, job_keys
 from reshard.transport.config import GroupConfig
 from reshard.transport.messages import BIG_BYTES
-from reshard.transport.store import connect_store, serve_store
+from reshard.transport.store import STORE_CALL_BOUND_S, BoundedStore, StoreCalls, connect_store, serve_store
 
 if TYPE_CHECKING:
     import torch
@@ -125,6 +125,25 @@ class RefitGroup:
     _shm_seq: dict[tuple[int, int], tuple[int, int]] = field(default_factory=dict)
     _steps: dict[int, list[str]] = field(default_factory=dict)
     """Steps agreed on per refit (:attr:`seq`), whose keys :meth:`forget` deletes."""
+    _calls: StoreCalls | None = None
+
+    @property
+    def calls(self) -> StoreCalls:
+        """reshard's own calls on the store, each bounded (:class:`StoreCalls`)."""
+        if self._calls is None:
+            bound = min(self.config.timeout_s, STORE_CALL_BOUND_S)
+            self._calls = StoreCalls(self.config.address, bound)
+        return self._calls
+
+    @property
+    def kv(self) -> BoundedStore:
+        """:attr:`store` for reshard's own keys: every call bounded."""
+        return BoundedStore(self.store, self.calls)
+
+    @property
+    def ns_kv(self) -> BoundedStore:
+        """The job's namespace (the epoch key), every call bounded."""
+        return BoundedStore(self._ns, self.calls)
 
     # -- joining -------------------------------------------------------------
 
@@ -260,13 +279,13 @@ class RefitGroup:
 
     def put(self, key: str, msg: wire.Message, *, step: str) -> None:
         try:
-            self.store.set(key, self.seal(key, msg))
+            self.kv.set(key, self.seal(key, msg))
         except Exception as e:
             raise self._store_error(step, e) from e
 
     def get_many(self, keys: list[str], expect: type, *, step: str) -> list[wire.Message]:
         try:
-            values = self.store.multi_get(keys) if keys else []
+            values = self.kv.multi_get(keys) if keys else []
         except Exception as e:
             raise self._store_error(step, e) from e
         try:
@@ -278,7 +297,7 @@ class RefitGroup:
         """Put ``msg`` under ``key`` unless a rank already did (content-addressed
         keys: a tensor table every rank of a side shares)."""
         try:
-            present = self.store.check([key])
+            present = self.kv.check([key])
         except Exception as e:
             raise self._store_error(step, e) from e
         if not present:
@@ -300,7 +319,7 @@ class RefitGroup:
     def current_epoch(self) -> int:
         """The job's epoch on the store (newer than ours: the group was rebuilt)."""
         try:
-            return int(self._ns.get("epoch"))
+            return int(self.ns_kv.get("epoch"))
         except Exception as e:
             raise self._store_error("enter", e) from e
 
@@ -424,7 +443,7 @@ class RefitGroup:
     ) -> list[str]:
         """Wait until every key exists; return the missing ones at the deadline
         (see :meth:`_wait`)."""
-        store = self.store
+        store = self.kv
         if self._wait(lambda: store.check(keys), deadline, step=step, abort_grace=abort_grace, watch_epoch=watch_epoch):
             return []
         try:
@@ -448,7 +467,7 @@ class RefitGroup:
         it). With ``watch_epoch``, raises :class:`EpochMoved` when another rank
         rebuilt the group. A store that fails raises :class:`RefitError`.
         """
-        store = self.store
+        store = self.kv
         pause = 0.0002
         started = time.monotonic()
         fast = _fast_poll(self.world_size)
@@ -468,7 +487,7 @@ class RefitGroup:
                         aborted = True
                         deadline = min(deadline, now + abort_grace)
                     if watch_epoch:
-                        epoch = int(self._ns.get("epoch"))
+                        epoch = int(self.ns_kv.get("epoch"))
                         if epoch != self.epoch:
                             text = f"the refit group was rebuilt by another rank (epoch {self.epoch} -> {epoch})"
                             raise EpochMoved(step, {self.rank: text})
@@ -503,15 +522,15 @@ class RefitGroup:
         with contextlib.suppress(Exception):
             key = self.abort_key()
             value = self.seal(key, wire.Status(rank=self.rank, step="abort", refit=refit, ok=False, error=message))
-            self.store.compare_set(key, "", value)
+            self.kv.compare_set(key, "", value)
 
     def aborted(self) -> str | None:
         """Why the refit in progress was aborted, or ``None``."""
         key = self.abort_key()
         try:
-            if not self.store.check([key]):
+            if not self.kv.check([key]):
                 return None
-            value = self.store.get(key)
+            value = self.kv.get(key)
         except Exception as e:
             return f"the refit store at {self.config.address} is unreachable (did its host process die?): {e}"
         try:
@@ -560,11 +579,11 @@ class RefitGroup:
             slow = slow or not status.ok
             if common is not None:
                 mine = hashlib.blake2b(common, digest_size=16).hexdigest()
-                first = bytes(self.store.compare_set(f"common/{tag}", "", mine)).decode(errors="replace")
+                first = bytes(self.kv.compare_set(f"common/{tag}", "", mine)).decode(errors="replace")
                 slow = slow or first != mine
             if slow:
-                self.store.append(f"slow/{tag}", f"{self.rank},")
-            self.store.add(f"count/{tag}", 1)
+                self.kv.append(f"slow/{tag}", f"{self.rank},")
+            self.kv.add(f"count/{tag}", 1)
         except Exception as e:
             raise self._store_error(step, e) from e
         keys = [f"{prefix}/{r}" for r in range(self.world_size)]
@@ -573,7 +592,7 @@ class RefitGroup:
         counter = f"count/{tag}"
         try:
             counted = self._wait(
-                lambda: int(self.store.add(counter, 0)) >= self.world_size,
+                lambda: int(self.kv.add(counter, 0)) >= self.world_size,
                 time.monotonic() + wait,
                 step=step,
                 abort_grace=grace,
@@ -582,7 +601,7 @@ class RefitGroup:
         except EpochMoved as e:
             # Say what this rank was waiting for (a dead rank, usually).
             with contextlib.suppress(Exception):
-                late = [int(k.rsplit("/", 1)[1]) for k in keys if not self.store.check([k])]
+                late = [int(k.rsplit("/", 1)[1]) for k in keys if not self.kv.check([k])]
                 who = f"rank {late[0]}" if len(late) == 1 else f"ranks {span(late)}"
                 why = self.aborted()
                 text = f"{e.errors[self.rank]} while waiting for {who} to report step {step!r}"
@@ -590,14 +609,14 @@ class RefitGroup:
                 e.args = (str(RefitError(step, e.errors, version=refit)),)
             raise
         try:
-            everyone = not counted or peers is None or self.store.check([f"slow/{tag}"])
-            missing = [] if counted else [k for k in keys if not self.store.check([k])]
+            everyone = not counted or peers is None or self.kv.check([f"slow/{tag}"])
+            missing = [] if counted else [k for k in keys if not self.kv.check([k])]
         except Exception as e:
             raise self._store_error(step, e) from e
         wanted = keys if everyone else [f"{prefix}/{r}" for r in sorted({self.rank, *(peers or ())})]
         present = [k for k in wanted if k not in missing]
         try:
-            values = self.store.multi_get(present) if present else []
+            values = self.kv.multi_get(present) if present else []
         except Exception as e:
             raise self._store_error(step, e) from e
         statuses: list[wire.Status] = []
@@ -631,10 +650,10 @@ class RefitGroup:
         still waiting on a deleted counter would wait for ever."""
         for step in self._steps.pop(seq, ()):
             with contextlib.suppress(Exception):
-                self.store.delete_key(f"status/{seq}/{step}/{self.rank}")
+                self.kv.delete_key(f"status/{seq}/{step}/{self.rank}")
                 if self.rank == 0:
                     for kind in ("count", "common", "slow"):
-                        self.store.delete_key(f"{kind}/{seq}/{step}")
+                        self.kv.delete_key(f"{kind}/{seq}/{step}")
 
     # -- teardown -------------------------------------------------------------
 
@@ -648,6 +667,8 @@ class RefitGroup:
             self._export_maps.close()
         if self._cuda_imports is not None:
             self._cuda_imports.close()
+        if self._calls is not None:
+            self._calls.close()
         pg = self.pg
         self.pg = None
         if pg is not None and self.backend == "nccl":

@@ -29,11 +29,13 @@ __all__ = [
     "PROCESS",
     "check_hellos",
     "claim",
+    "gloo_devices",
     "hello_for",
     "make_pg",
     "nccl_error_handling",
     "nccl_pg",
     "nccl_timeout",
+    "route_source",
     "shared_gpus",
 ]
 
@@ -174,11 +176,55 @@ def make_pg(
 
                 opts = ProcessGroupGloo._Options()  # type: ignore[attr-defined]
                 opts._timeout = timeout
-                opts._devices = [ProcessGroupGloo.create_default_device()]
+                opts._devices = gloo_devices(config)
                 return ProcessGroupGloo(pg_store, rank, world, opts)
             return nccl_pg(pg_store, rank, world, dev, timeout)
     except Exception as e:
         raise RefitError("join", {rank: f"building the {backend} process group failed: {e}"}) from e
+
+
+def gloo_devices(config: GroupConfig) -> list[Any]:
+    """The gloo devices (the address this rank listens on and advertises to
+    its peers) of the refit group: the interfaces in ``$GLOO_SOCKET_IFNAME``
+    when set (as torch's own groups read it); else, for a store on another
+    host, the local address this host reaches the store from; else torch's
+    default (the hostname's address, or the loopback when it resolves to
+    none this host can bind). torch's default alone fails across hosts
+    whose hostname does not resolve to the interface that joins them (a
+    container, a network namespace, a host with several networks): the rank
+    advertises 127.0.0.1 or an address its peers cannot reach, and its peers
+    hang until the timeout."""
+    from torch.distributed import ProcessGroupGloo
+
+    names = [n for n in os.environ.get("GLOO_SOCKET_IFNAME", "").split(",") if n]
+    if names:
+        return [ProcessGroupGloo.create_device(interface=n) for n in names]
+    local = route_source(config.host, config.port)
+    if local is not None:
+        return [ProcessGroupGloo.create_device(hostname=local)]
+    return [ProcessGroupGloo.create_default_device()]
+
+
+def route_source(host: str, port: int) -> str | None:
+    """The address this host sends from to reach ``host`` (no packet
+    leaves: a UDP socket is only connected); ``None`` when ``host`` is this
+    host's loopback or cannot be resolved."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)
+    except OSError:
+        return None
+    for family, _, _, _, addr in infos:
+        try:
+            with socket.socket(family, socket.SOCK_DGRAM) as s:
+                s.connect(addr)
+                local = str(s.getsockname()[0])
+        except OSError:
+            continue
+        import ipaddress
+
+        ip = ipaddress.ip_address(local.split("%", maxsplit=1)[0])
+        return None if ip.is_loopback else local
+    return None
 
 
 NCCL_ERROR_HANDLING = "2"

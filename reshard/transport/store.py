@@ -16,7 +16,7 @@ from typing import Any
 from reshard.errors import RefitError
 from reshard.transport.config import GroupConfig
 
-__all__ = ["connect_store", "serve_store"]
+__all__ = ["STORE_CALL_BOUND_S", "BoundedStore", "StoreCalls", "StoreUnreachable", "connect_store", "serve_store"]
 
 log = logging.getLogger(__name__)
 
@@ -137,3 +137,86 @@ def connect_store(config: GroupConfig, rank: int) -> Any:
         raise RefitError(
             "join", {rank: f"cannot {what} the refit store at {config.address} within {config.timeout_s}s: {e}"}
         ) from e
+
+
+STORE_CALL_BOUND_S = 30.0
+"""The longest one call on the refit store may take (or the group's
+timeout, when shorter) before the store counts as unreachable: generous,
+since a store starved of CPU on a loaded machine answers late but answers. A call
+normally takes a round trip; one sent while the link to the store's host is
+down is retransmitted by TCP for many minutes, and c10d's client waits as
+long (its timeout bounds ``wait``, not a read of an answer that never
+comes)."""
+
+
+class StoreUnreachable(RuntimeError):
+    """A call on the refit store got no answer within its bound."""
+
+
+class StoreCalls:
+    """reshard's own calls on one connection to the refit store, each made
+    by one helper thread and waited for at most ``bound_s``: a caller that
+    polls the store (an abort key, a counter) also keeps its own deadline
+    when the store's host becomes unreachable. After a call that timed out
+    the connection counts as lost: later calls fail at once (the group is
+    rebuilt on a new connection at its next refit)."""
+
+    def __init__(self, address: str, bound_s: float) -> None:
+        import queue
+
+        self.address = address
+        self.bound_s = bound_s
+        self.lost: str | None = None
+        self._jobs: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+
+    def _work(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            fn, args, done, box = job
+            try:
+                box.append((True, fn(*args)))
+            except BaseException as e:  # handed to the caller
+                box.append((False, e))
+            done.set()
+
+    def call(self, fn: Any, *args: Any) -> Any:
+        with self._lock:
+            if self.lost is not None:
+                raise StoreUnreachable(self.lost)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._work, name="reshard-store", daemon=True)
+                self._thread.start()
+            done = threading.Event()
+            box: list[tuple[bool, Any]] = []
+            self._jobs.put((fn, args, done, box))
+            if not done.wait(self.bound_s):
+                self.lost = (
+                    f"the refit store at {self.address} did not answer within {self.bound_s:g} s "
+                    "(its host or the link to it is down?)"
+                )
+                raise StoreUnreachable(self.lost)
+        ok, value = box[0]
+        if not ok:
+            raise value
+        return value
+
+    def close(self) -> None:
+        if self._thread is not None and self.lost is None:
+            self._jobs.put(None)
+
+
+class BoundedStore:
+    """``store``'s methods, each call made through ``calls`` (:class:`StoreCalls`)."""
+
+    def __init__(self, store: Any, calls: StoreCalls) -> None:
+        self._store = store
+        self._calls = calls
+
+    def __getattr__(self, name: str) -> Any:
+        fn = getattr(self._store, name)
+        calls = self._calls
+        return lambda *args: calls.call(fn, *args)
