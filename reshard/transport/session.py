@@ -52,7 +52,7 @@ from reshard.plan.items import RankPlan
 from reshard.plan.layout import Layout, TensorMeta, layout_digest, table_digest
 from reshard.plan.planner import Planner
 from reshard.plan.rounds import DEFAULT_ROUND_BYTES
-from reshard.transport import wire
+from reshard.transport import members, wire
 from reshard.transport.baseline import gather_broadcast
 from reshard.transport.delta import DeltaRun, DeltaState, capable_pairs, pair_reason
 from reshard.transport.execute import Executor
@@ -151,6 +151,9 @@ class RefitSession:
         tensors hold, and since when (:mod:`reshard.transport.delta`)."""
         self._newest = 0
         """The group's last successful refit, as the ``enter`` step found it."""
+        self._missed_after: int | None = None
+        """The refit this rank served when it came back after missing later ones
+        (``None``: it missed none), as the ``enter`` step found it."""
 
     @property
     def is_source(self) -> bool:
@@ -202,7 +205,7 @@ class RefitSession:
         round_bytes, self.big_bytes, self.budgets = group.plan_inputs()
         self.round_bytes = round_bytes or self._asked[0]
         try:
-            self._layouts, self._read = self._exchange_layouts(group, "join", range(self.config.world_size))
+            self._layouts, self._read = self._exchange_layouts(group, "join", list(group.members))
         except BaseException:
             self._drop()
             raise
@@ -272,11 +275,12 @@ class RefitSession:
 
     def _plan_key(self, round_bytes: int) -> tuple:
         assert self.group is not None
-        layouts = tuple(self._read[r] for r in range(self.config.world_size))
+        layouts = tuple((r, self._read[r]) for r in self.group.present)
         return (layouts, tuple(sorted(self.group.domain_of().items())), round_bytes, self.big_bytes)
 
     def _layout_sets(self) -> tuple[LayoutSet, LayoutSet]:
-        key = tuple(self._read[r] for r in range(self.config.world_size))
+        assert self.group is not None
+        key = tuple((r, self._read[r]) for r in self.group.present)
         if self._sets is None or self._sets[0] != key:
             s = self.config.num_sources
             with gc_paused():
@@ -285,7 +289,7 @@ class RefitSession:
                 )
                 dests = LayoutSet.from_layouts(
                     "destination",
-                    [self._layouts[r] for r in range(s, self.config.world_size)],
+                    [self._layouts[r] for r in self.group.present if r >= s],
                     check_ranks=(self.rank,),
                 )
             self._sets = (key, sources, dests)
@@ -353,7 +357,10 @@ class RefitSession:
                     last_refit=self.last_refit,
                     layout=self._digest,
                 )
-                statuses = group.agree("enter", refit, status, peers=(), common=self._enter_common(refit))
+                if self.config.elastic:
+                    statuses = members.roll_call(group, refit, status)
+                else:
+                    statuses = group.agree("enter", refit, status, peers=(), common=self._enter_common(refit))
                 break
             except EpochMoved:
                 self._drop()
@@ -378,6 +385,16 @@ class RefitSession:
             raise RefitError("version", dict.fromkeys(range(self.config.world_size), text), agreed=True)
         newest = max(s.last_refit for s in statuses)
         self._newest = newest
+        self._missed_after = self.last_refit if self.config.elastic and refit > newest > self.last_refit else None
+        if self._missed_after is not None:
+            log.warning(
+                "refit rank %d missed refit(s) %d..%d (it served refit %d): refit %d brings it the full version",
+                self.rank,
+                self.last_refit + 1,
+                newest,
+                self.last_refit,
+                refit,
+            )
         if refit <= newest:
             raise self._stale(refit, newest, [s.rank for s in statuses if s.last_refit == newest])
         self._reread_layouts(group, statuses)
@@ -439,7 +456,13 @@ class RefitSession:
                     started_at=started_at,
                     finished_at=time.time(),
                     touched=frozenset(delta.touched) if delta is not None and not self.is_source else None,
+                    **self._membership(group, refit),
                 )
+
+    def _membership(self, group: RefitGroup, refit: int) -> dict:
+        """The replicas this refit reached and those it missed (:class:`RefitStats`)."""
+        refit_replicas, missing = members.summary(group)
+        return {"replicas": refit_replicas, "missing_replicas": missing, "missed_after": self._missed_after}
 
     @contextlib.contextmanager
     def _attempt(self, refit: int) -> Iterator[None]:
