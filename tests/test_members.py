@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import signal
+import traceback
 
 import pytest
 import torch
@@ -62,6 +63,9 @@ def _trainer(rank: int, address: str, tmp: str, refits: list[int], knock_before:
                 out.append({"refit": n, "replicas": stats.replicas, "missing": stats.missing_replicas})
             except RefitError as e:
                 out.append({"refit": n, "error": str(e), "step": e.step})
+            except BaseException:
+                write_atomically(f"{tmp}/pushed{n}", traceback.format_exc())
+                raise
             write_atomically(f"{tmp}/pushed{n}", "")
     finally:
         sender.close()
@@ -163,8 +167,8 @@ def test_a_silent_replica_is_dropped_after_replica_timeout_and_the_others_refit(
     pushed = trainer.outcome(HANG_S)
     assert pushed.ok, pushed.error
     one, two, three = pushed.value
-    assert one["replicas"] == (0, 1, 2), one
-    assert two["replicas"] == (0, 1), two
+    assert one.get("replicas") == (0, 1, 2), one
+    assert two.get("replicas") == (0, 1), two
     assert "replica_timeout_s" in two["missing"][2], two
     for r in replicas[:2]:
         got = r.outcome(HANG_S)
@@ -173,7 +177,7 @@ def test_a_silent_replica_is_dropped_after_replica_timeout_and_the_others_refit(
     if fault == "stop":
         # It is told it missed refit 2 (untouched: it still serves refit 1),
         # knocks, and refit 3 brings it the full version.
-        assert three["replicas"] == (0, 1, 2), three
+        assert three.get("replicas") == (0, 1, 2), three
         got = replicas[2].outcome(HANG_S)
         assert got.ok, got.error
         a, b, c = got.value
@@ -183,4 +187,4 @@ def test_a_silent_replica_is_dropped_after_replica_timeout_and_the_others_refit(
         assert c["equal"] and c["missed_after"] == 1, c
     else:
         # The next refit runs without it (not waited for again).
-        assert three["replicas"] == (0, 1) and 2 in three["missing"], three
+        assert three.get("replicas") == (0, 1) and 2 in three["missing"], three

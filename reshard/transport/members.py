@@ -220,7 +220,7 @@ def roll_call(group: RefitGroup, refit: int, status: wire.Status) -> Statuses:
             elif any(r in group.dropped for r in ranks):
                 missing[i] = prior.get(i, "left out of an earlier refit")
             else:
-                silent = [r for r in ranks if r in late or r not in group.members]
+                silent = [r for r in ranks if f"status/{tag}/{r}" in late]
                 missing[i] = (
                     f"rank(s) {span(silent)} did not report step 'enter' of refit {refit} within {wait_s:g}s "
                     "(replica_timeout_s: dead or hung)"

@@ -359,6 +359,10 @@ class RefitSession:
                 )
                 if self.config.elastic:
                     statuses = members.roll_call(group, refit, status)
+                    # The ranks present may differ from the last refit's: plan
+                    # from the cache keyed by them.
+                    self.planner = None
+                    self._plan = None
                 else:
                     statuses = group.agree("enter", refit, status, peers=(), common=self._enter_common(refit))
                 break
