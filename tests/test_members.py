@@ -74,7 +74,9 @@ def _trainer(rank: int, address: str, tmp: str, refits: list[int], knock_before:
 
 def _replica(rank: int, address: str, tmp: str, refits: list[int]) -> list[dict]:
     dst = torch.zeros(8, 6)
-    receiver = Receiver({"w": dst}, [PieceSpec(W, Box((0, 0), (8, 6)), "w", (8, 6))], config=_config(address), rank=rank)
+    receiver = Receiver(
+        {"w": dst}, [PieceSpec(W, Box((0, 0), (8, 6)), "w", (8, 6))], config=_config(address), rank=rank
+    )
     out = []
     try:
         for n in refits:
@@ -91,7 +93,9 @@ def _replica(rank: int, address: str, tmp: str, refits: list[int]) -> list[dict]
                     }
                 )
             except RefitError as e:
-                out.append({"refit": n, "error": str(e), "step": e.step, "untouched": bool(torch.equal(dst, _value(n - 1)))})
+                out.append(
+                    {"refit": n, "error": str(e), "step": e.step, "untouched": bool(torch.equal(dst, _value(n - 1)))}
+                )
             write_atomically(f"{tmp}/pulled{n}.{rank}", "")
     finally:
         receiver.close()

@@ -34,7 +34,7 @@ from reshard.transport import wire
 
 if TYPE_CHECKING:
     from reshard.transport.config import GroupConfig
-    from reshard.transport.group import RefitGroup, Statuses
+    from reshard.transport.group import RefitGroup
 
 __all__ = ["MemberPG", "claim", "form", "knock", "replica_of", "replica_ranks", "roll_call", "summary"]
 
@@ -58,7 +58,8 @@ def replica_ranks(config: GroupConfig, replica: int) -> range:
 def _complete(config: GroupConfig, ranks: Iterable[int]) -> tuple[list[int], list[int]]:
     """``(replicas whose every rank is in ranks, the others)``."""
     have = set(ranks)
-    full, partial = [], []
+    full: list[int] = []
+    partial: list[int] = []
     for i in range(config.num_replicas):
         (full if all(r in have for r in replica_ranks(config, i)) else partial).append(i)
     return full, partial
@@ -119,8 +120,8 @@ def form(group: RefitGroup, deadline: float) -> None:
             )
         wait_s = cfg.join_timeout_s if cfg.join_timeout_s is not None else cfg.timeout_s
         dests = [f"hello/{r}" for r in range(cfg.num_sources, cfg.world_size)]
-        late = set(group._wait_keys(dests, min(deadline, time.monotonic() + wait_s), step="join", watch_epoch=True))
-        here = [r for r in range(cfg.num_sources, cfg.world_size) if f"hello/{r}" not in late]
+        absent = set(group._wait_keys(dests, min(deadline, time.monotonic() + wait_s), step="join", watch_epoch=True))
+        here = [r for r in range(cfg.num_sources, cfg.world_size) if f"hello/{r}" not in absent]
         full, partial = _complete(cfg, here)
         missing = {i: f"not joined within {wait_s:g}s (join_timeout_s)" for i in partial}
         error = ""
@@ -134,8 +135,9 @@ def form(group: RefitGroup, deadline: float) -> None:
             raise RefitError(
                 "join", {group.rank: f"refit rank 0 did not form the refit group {cfg.job!r} within {cfg.timeout_s}s"}
             )
-        (roster,) = group.get_many([MEMBERS], wire.Roster, step="join")
-        assert isinstance(roster, wire.Roster)
+        (got,) = group.get_many([MEMBERS], wire.Roster, step="join")
+        assert isinstance(got, wire.Roster)
+        roster = got
     if roster.error:
         raise RefitError("join", {group.rank: roster.error}, agreed=True)
     if group.rank not in roster.present:
@@ -173,14 +175,14 @@ class MemberPG:
 # -- each refit -------------------------------------------------------------------
 
 
-def roll_call(group: RefitGroup, refit: int, status: wire.Status) -> Statuses:
+def roll_call(group: RefitGroup, refit: int, status: wire.Status) -> list[wire.Status] | None:
     """Step ``enter`` of an elastic group: post this rank's status; rank 0
-    decides who is present (or moves the job to a new epoch for a rank that
-    knocked); every rank returns the statuses of the ranks present and sets
-    :attr:`RefitGroup.present`. Raises :class:`RefitError` on a rank left
-    out (naming the refit it missed) and, with too few replicas, on all."""
-    from reshard.transport.group import EpochMoved, Statuses
-
+    decides who is present, or moves the job to a new epoch for a rank that
+    knocked (then it returns ``None``: the caller rejoins, and the others
+    follow as their waits see the epoch move); every rank returns the
+    statuses of the ranks present and sets :attr:`RefitGroup.present`.
+    Raises :class:`RefitError` on a rank left out (naming the refit it
+    missed) and, with too few replicas, on all."""
     cfg = group.config
     tag = f"{group.seq}/enter"
     group._steps.setdefault(group.seq, []).append("enter")
@@ -196,8 +198,7 @@ def roll_call(group: RefitGroup, refit: int, status: wire.Status) -> Statuses:
         except Exception as e:
             raise group._store_error("enter", e) from e
         if knocked:
-            text = "a replica asked to join: the group is rebuilt with it"
-            raise EpochMoved("enter", {0: text})
+            return None
         sources = [f"status/{tag}/{r}" for r in range(cfg.num_sources)]
         late = group._wait_keys(sources, start + cfg.timeout_s, step="enter", watch_epoch=True)
         if late:
@@ -208,24 +209,24 @@ def roll_call(group: RefitGroup, refit: int, status: wire.Status) -> Statuses:
         wait_s = cfg.replica_timeout_s if cfg.replica_timeout_s is not None else cfg.timeout_s
         expect = [r for r in group.members if r >= cfg.num_sources and r not in group.dropped]
         keys = [f"status/{tag}/{r}" for r in expect]
-        late = set(group._wait_keys(keys, start + wait_s, step="enter", watch_epoch=True))
-        here = [r for r in expect if f"status/{tag}/{r}" not in late]
+        silent_keys = set(group._wait_keys(keys, start + wait_s, step="enter", watch_epoch=True))
+        here = [r for r in expect if f"status/{tag}/{r}" not in silent_keys]
         full, partial = _complete(cfg, here)
         missing: dict[int, str] = {}
         prior = group.roster.missing if group.roster is not None else {}
         for i in partial:
-            ranks = replica_ranks(cfg, i)
-            if ranks[0] not in group.members:
+            rs = replica_ranks(cfg, i)
+            if rs[0] not in group.members:
                 missing[i] = prior.get(i, "not a member of the group (absent when it formed)")
-            elif any(r in group.dropped for r in ranks):
+            elif any(r in group.dropped for r in rs):
                 missing[i] = prior.get(i, "left out of an earlier refit")
             else:
-                silent = [r for r in ranks if f"status/{tag}/{r}" in late]
+                silent = [r for r in rs if f"status/{tag}/{r}" in silent_keys]
                 missing[i] = (
                     f"rank(s) {span(silent)} did not report step 'enter' of refit {refit} within {wait_s:g}s "
                     "(replica_timeout_s: dead or hung)"
                 )
-                group.dropped.update(ranks)
+                group.dropped.update(rs)
         error = ""
         if len(full) < (cfg.min_replicas or cfg.num_replicas):
             error = _too_few(cfg, full, missing, "enter")
@@ -262,4 +263,4 @@ def roll_call(group: RefitGroup, refit: int, status: wire.Status) -> Statuses:
     errors = {s.rank: s.error for s in statuses if not s.ok}
     if errors:
         raise RefitError("enter", errors, version=refit, agreed=True)
-    return Statuses(statuses, everyone=True)
+    return statuses

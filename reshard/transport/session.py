@@ -57,7 +57,7 @@ from reshard.transport.baseline import gather_broadcast
 from reshard.transport.delta import DeltaRun, DeltaState, capable_pairs, pair_reason
 from reshard.transport.execute import Executor
 from reshard.transport.exports import SessionExports
-from reshard.transport.group import ABORT_GRACE_S, EpochMoved, GroupConfig, RefitGroup
+from reshard.transport.group import ABORT_GRACE_S, EpochMoved, GroupConfig, RefitGroup, Statuses
 from reshard.transport.links import no_wire_problems
 from reshard.transport.locals import LocalTensors, local_tensors
 from reshard.transport.messages import (
@@ -136,7 +136,7 @@ class RefitSession:
         self._layouts: dict[int, Layout] = {}
         self._read: dict[int, str] = {}
         """The digest of every rank's layout as this rank last read it."""
-        self._sets: tuple[tuple[str, ...], LayoutSet, LayoutSet] | None = None
+        self._sets: tuple[tuple[tuple[int, str], ...], LayoutSet, LayoutSet] | None = None
         self._plans: OrderedDict[tuple, _Planned] = OrderedDict()
         self.plans_made = 0
         """Plans this session computed (the others came from its cache)."""
@@ -358,7 +358,10 @@ class RefitSession:
                     layout=self._digest,
                 )
                 if self.config.elastic:
-                    statuses = members.roll_call(group, refit, status)
+                    called = members.roll_call(group, refit, status)
+                    if called is None:
+                        raise EpochMoved("enter", {self.rank: "a replica asked to join: the group is rebuilt with it"})
+                    statuses = Statuses(called, everyone=True)
                     # The ranks present may differ from the last refit's: plan
                     # from the cache keyed by them.
                     self.planner = None
