@@ -123,10 +123,11 @@ class GroupConfig:
     settings in its workers for batch invariance; a communicator whose peers
     disagree on them can hang)."""
 
-    replica_size: int = _shared(GROUP, 1)
+    replica_size: int | None = _shared(GROUP, None)
     """Engine worker ranks per engine replica (one engine's whole TP/EP
     group, the unit that joins and leaves a refit): replica ``i`` is refit
-    ranks ``num_sources + i * replica_size ..``. Must divide ``num_destinations``."""
+    ranks ``num_sources + i * replica_size ..``. Must divide ``num_destinations``.
+    ``None``: 1 (each worker rank is a replica)."""
     min_replicas: int | None = _shared(GROUP, None)
     """The fewest engine replicas a refit may run with (``None``: every
     replica, as a fixed group). Fewer: the replicas present at a refit's
@@ -174,7 +175,7 @@ class GroupConfig:
             raise ValueError("token must be a non-empty string, or None to read $RESHARD_TOKEN")
         if self.max_metadata_bytes <= 0:
             raise ValueError(f"max_metadata_bytes must be positive, got {self.max_metadata_bytes}")
-        if self.replica_size < 1 or self.num_destinations % self.replica_size:
+        if self.replica_width < 1 or self.num_destinations % self.replica_width:
             raise ValueError(
                 f"replica_size {self.replica_size} must be >= 1 and divide num_destinations {self.num_destinations}"
             )
@@ -192,9 +193,14 @@ class GroupConfig:
         return self.num_sources + self.num_destinations
 
     @property
+    def replica_width(self) -> int:
+        """Refit ranks per engine replica (``replica_size``, default 1)."""
+        return 1 if self.replica_size is None else self.replica_size
+
+    @property
     def num_replicas(self) -> int:
         """Engine replicas the group expects (``num_destinations / replica_size``)."""
-        return self.num_destinations // self.replica_size
+        return self.num_destinations // self.replica_width
 
     @property
     def elastic(self) -> bool:

@@ -46,13 +46,13 @@ KNOCK = "knock"
 
 def replica_of(config: GroupConfig, rank: int) -> int:
     """The replica index of destination ``rank``."""
-    return (rank - config.num_sources) // config.replica_size
+    return (rank - config.num_sources) // config.replica_width
 
 
 def replica_ranks(config: GroupConfig, replica: int) -> range:
     """The refit ranks of replica ``replica``."""
-    first = config.num_sources + replica * config.replica_size
-    return range(first, first + config.replica_size)
+    first = config.num_sources + replica * config.replica_width
+    return range(first, first + config.replica_width)
 
 
 def _complete(config: GroupConfig, ranks: Iterable[int]) -> tuple[list[int], list[int]]:

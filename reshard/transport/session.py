@@ -746,6 +746,8 @@ class RefitSession:
         """Refit ``refit`` by gather-and-broadcast (see :mod:`reshard.transport.baseline`);
         ``into`` as for :meth:`refit` (begun with no plan of reshard's, and
         told of no round: the baseline has none)."""
+        if self.config.elastic:
+            raise ValueError("gather_broadcast needs every replica: it does not run with GroupConfig.min_replicas")
         tensors = self._refit_tensors(into)
         t0 = time.perf_counter()
         cpu0 = time.process_time()

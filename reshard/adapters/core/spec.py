@@ -56,7 +56,7 @@ class GroupSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     version: int = 1
     shared_memory: bool = False
     """Workers move bytes through shared memory with ranks on their host that say so too."""
-    replica_size: int = 1
+    replica_size: int | None = None
     """Engine worker ranks per replica (``GroupConfig.replica_size``)."""
     min_replicas: int | None = None
     """The fewest replicas a refit may run with (``GroupConfig.min_replicas``)."""

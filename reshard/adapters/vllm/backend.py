@@ -337,7 +337,7 @@ class ReshardTrainerInitInfo(TrainerInitInfo):
     move (``GroupConfig.delta``, ``docs/delta.md``)."""
     delta_budget_bytes: int | None = None
     """Bound on each trainer rank's snapshot of what it sent last (``GroupConfig.delta_budget_bytes``)."""
-    replica_size: int = 1
+    replica_size: int | None = None
     """Engine worker ranks per replica (``GroupConfig.replica_size``)."""
     min_replicas: int | None = None
     """The fewest replicas a refit may run with (``GroupConfig.min_replicas``)."""
