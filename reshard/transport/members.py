@@ -34,7 +34,10 @@ from reshard.transport import wire
 
 if TYPE_CHECKING:
     from reshard.transport.config import GroupConfig
-    from reshard.transport.group import RefitGroup
+
+Group = Any
+"""A :class:`reshard.transport.group.RefitGroup` (which calls this module: named
+here only in words, so that the two modules do not import each other)."""
 
 __all__ = ["MemberPG", "claim", "form", "knock", "replica_of", "replica_ranks", "roll_call", "summary"]
 
@@ -65,7 +68,7 @@ def _complete(config: GroupConfig, ranks: Iterable[int]) -> tuple[list[int], lis
     return full, partial
 
 
-def summary(group: RefitGroup) -> tuple[tuple[int, ...], dict[int, str]]:
+def summary(group: Group) -> tuple[tuple[int, ...], dict[int, str]]:
     """``(replicas refit, missing replicas and why)`` of the refit in progress."""
     roster = group.roster
     if roster is None:
@@ -86,7 +89,7 @@ def claim(ns: Any, rank: int) -> tuple[int, bool]:
     return epoch, ns.add(f"slot/e{epoch}/{rank}", 1) == 1
 
 
-def knock(group: RefitGroup, deadline: float, why: str) -> None:
+def knock(group: Group, deadline: float, why: str) -> None:
     """Ask to be let in, and wait for the next epoch (raises
     :class:`~reshard.transport.group.EpochMoved` once the trainer's rank 0
     moved the job on at its next refit; :class:`RefitError` at the deadline)."""
@@ -104,7 +107,7 @@ def knock(group: RefitGroup, deadline: float, why: str) -> None:
     )
 
 
-def form(group: RefitGroup, deadline: float) -> None:
+def form(group: Group, deadline: float) -> None:
     """Decide (rank 0) or read (the others) the epoch's members, set
     :attr:`RefitGroup.members` and :attr:`RefitGroup.roster`; a rank left out
     knocks (see the module docstring)."""
@@ -175,7 +178,7 @@ class MemberPG:
 # -- each refit -------------------------------------------------------------------
 
 
-def roll_call(group: RefitGroup, refit: int, status: wire.Status) -> list[wire.Status] | None:
+def roll_call(group: Group, refit: int, status: wire.Status) -> list[wire.Status] | None:
     """Step ``enter`` of an elastic group: post this rank's status; rank 0
     decides who is present, or moves the job to a new epoch for a rank that
     knocked (then it returns ``None``: the caller rejoins, and the others
