@@ -49,6 +49,10 @@ NON_DEFAULT_SETTINGS: dict[str, Any] = dict(
     export_sources=True,
     delta=True,
     delta_budget_bytes=1 << 30,
+    replica_size=1,
+    min_replicas=1,
+    join_timeout_s=5.0,
+    replica_timeout_s=7.0,
 )
 """Every ``GroupConfig`` setting of scope ``group`` or ``trainer``, away
 from its default (``tests/test_group_settings.py`` holds it to the config):

@@ -123,6 +123,24 @@ class GroupConfig:
     settings in its workers for batch invariance; a communicator whose peers
     disagree on them can hang)."""
 
+    replica_size: int | None = _shared(GROUP, None)
+    """Engine worker ranks per engine replica (one engine's whole TP/EP
+    group, the unit that joins and leaves a refit): replica ``i`` is refit
+    ranks ``num_sources + i * replica_size ..``. Must divide ``num_destinations``.
+    ``None``: 1 (each worker rank is a replica)."""
+    min_replicas: int | None = _shared(GROUP, None)
+    """The fewest engine replicas a refit may run with (``None``: every
+    replica, as a fixed group). Fewer: the replicas present at a refit's
+    ``enter`` step are refit, the others are named missing
+    (:mod:`reshard.transport.members`)."""
+    join_timeout_s: float | None = _shared(GROUP, None)
+    """With ``min_replicas``: how long joining waits for late replicas before
+    the group forms without them (``None``: ``timeout_s``)."""
+    replica_timeout_s: float | None = _shared(GROUP, None)
+    """With ``min_replicas``: how long a refit waits for a replica that does
+    not report (hung or dead) before it goes on without it (``None``:
+    ``timeout_s``)."""
+
     delta: bool = _shared(GROUP, False)
     """Delta refits: each pair of ranks moves only the elements that changed
     since the last refit, in sparse encodings, where both ranks prove the
@@ -157,12 +175,37 @@ class GroupConfig:
             raise ValueError("token must be a non-empty string, or None to read $RESHARD_TOKEN")
         if self.max_metadata_bytes <= 0:
             raise ValueError(f"max_metadata_bytes must be positive, got {self.max_metadata_bytes}")
+        if self.replica_width < 1 or self.num_destinations % self.replica_width:
+            raise ValueError(
+                f"replica_size {self.replica_size} must be >= 1 and divide num_destinations {self.num_destinations}"
+            )
+        if self.min_replicas is not None and not 1 <= self.min_replicas <= self.num_replicas:
+            raise ValueError(f"min_replicas must be in 1..{self.num_replicas} or None, got {self.min_replicas}")
+        for name in ("join_timeout_s", "replica_timeout_s"):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise ValueError(f"{name} must be positive or None, got {value}")
         if self.delta_budget_bytes is not None and self.delta_budget_bytes < 0:
             raise ValueError(f"delta_budget_bytes must be >= 0 or None, got {self.delta_budget_bytes}")
 
     @property
     def world_size(self) -> int:
         return self.num_sources + self.num_destinations
+
+    @property
+    def replica_width(self) -> int:
+        """Refit ranks per engine replica (``replica_size``, default 1)."""
+        return 1 if self.replica_size is None else self.replica_size
+
+    @property
+    def num_replicas(self) -> int:
+        """Engine replicas the group expects (``num_destinations / replica_size``)."""
+        return self.num_destinations // self.replica_width
+
+    @property
+    def elastic(self) -> bool:
+        """Whether refits may run without some replicas (``min_replicas`` below all)."""
+        return self.min_replicas is not None and self.min_replicas < self.num_replicas
 
     @property
     def host(self) -> str:

@@ -47,7 +47,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from reshard.errors import MetadataError, RefitError, span
-from reshard.transport import joining, wire
+from reshard.transport import joining, members, wire
 from reshard.transport.auth import JobKeys, job_keys
 from reshard.transport.config import GroupConfig
 from reshard.transport.messages import BIG_BYTES
@@ -145,6 +145,17 @@ class RefitGroup:
         """The job's namespace (the epoch key), every call bounded."""
         return BoundedStore(self._ns, self.calls)
 
+    members: tuple[int, ...] = ()
+    """The refit ranks of this epoch's group (every rank unless
+    ``GroupConfig.min_replicas`` let it form without some replicas)."""
+    present: tuple[int, ...] = ()
+    """The refit ranks of the refit in progress (:mod:`reshard.transport.members`)."""
+    roster: wire.Roster | None = None
+    """Who takes part in the refit in progress, as rank 0 decided (elastic groups)."""
+    dropped: set[int] = field(default_factory=set)
+    """Rank 0 of an elastic group: members left out of a refit of this epoch
+    (not waited for again until they knock)."""
+
     # -- joining -------------------------------------------------------------
 
     @classmethod
@@ -168,6 +179,7 @@ class RefitGroup:
 
         if not 0 <= rank < config.world_size:
             raise ValueError(f"refit rank {rank} outside 0..{config.world_size - 1}")
+        elastic = config.elastic
         role = "source" if rank < config.num_sources else "destination"
         backend, dev = group_device(config.backend, torch.device(device), rank)
         timeout = datetime.timedelta(seconds=config.timeout_s)
@@ -200,7 +212,10 @@ class RefitGroup:
             raise RefitError("join", {rank: f"the refit store at {config.address} failed: {e}"}) from e
         while True:
             try:
-                epoch = joining.claim(ns, rank)
+                if elastic and role == "destination":
+                    epoch, fresh = members.claim(ns, rank)
+                else:
+                    epoch, fresh = joining.claim(ns, rank), True
             except Exception as e:
                 raise RefitError("join", {rank: f"the refit store at {config.address} failed: {e}"}) from e
             group = cls(
@@ -218,9 +233,18 @@ class RefitGroup:
                 _ns=ns,
                 _tcp_store=tcp,
             )
+            everyone = tuple(range(config.world_size))
+            group.members = group.present = everyone
             try:
+                if not fresh:
+                    members.knock(group, deadline, "it was in this group before")
                 group.put(f"hello/{rank}", hello, step="join")
-                missing = group._wait_keys(hello_keys, deadline, step="join", watch_epoch=True)
+                if elastic:
+                    members.form(group, deadline)
+                    hello_keys = [f"hello/{r}" for r in group.members]
+                    missing = []
+                else:
+                    missing = group._wait_keys(hello_keys, deadline, step="join", watch_epoch=True)
             except EpochMoved:
                 continue
             break
@@ -230,7 +254,7 @@ class RefitGroup:
                 "join",
                 {rank: f"rank(s) {ranks} did not join the refit group {config.job!r} within {config.timeout_s}s"},
             )
-        for r, h in enumerate(group.get_many(hello_keys, wire.Hello, step="join")):
+        for r, h in zip(group.members, group.get_many(hello_keys, wire.Hello, step="join"), strict=True):
             assert isinstance(h, wire.Hello)
             if h.rank != r:
                 raise RefitError("join", {rank: f"hello/{r} holds the hello of rank {h.rank}"})
@@ -240,7 +264,9 @@ class RefitGroup:
         if group.no_wire:
             log.info("rank %d: no NCCL process group: %s", rank, group.no_wire)
         else:
-            group.pg = joining.make_pg(group.store, config, rank, backend, dev, timeout)
+            group.pg = joining.make_pg(group.store, config, rank, backend, dev, timeout, ranks=group.members)
+            if len(group.members) != config.world_size:
+                group.pg = members.MemberPG(group.pg, group.members)
         return group
 
     def plan_inputs(self) -> tuple[int, int, dict[int, int]]:
@@ -488,7 +514,7 @@ class RefitGroup:
                         deadline = min(deadline, now + abort_grace)
                     if watch_epoch:
                         epoch = int(self.ns_kv.get("epoch"))
-                        if epoch != self.epoch:
+                        if epoch != self.epoch and not done():
                             text = f"the refit group was rebuilt by another rank (epoch {self.epoch} -> {epoch})"
                             raise EpochMoved(step, {self.rank: text})
                 if now >= deadline:
@@ -586,13 +612,13 @@ class RefitGroup:
             self.kv.add(f"count/{tag}", 1)
         except Exception as e:
             raise self._store_error(step, e) from e
-        keys = [f"{prefix}/{r}" for r in range(self.world_size)]
+        keys = [f"{prefix}/{r}" for r in self.present]
         wait = self.config.timeout_s if timeout_s is None else timeout_s
         grace = min(self.config.timeout_s, ABORT_GRACE_S)
         counter = f"count/{tag}"
         try:
             counted = self._wait(
-                lambda: int(self.kv.add(counter, 0)) >= self.world_size,
+                lambda: int(self.kv.add(counter, 0)) >= len(self.present),
                 time.monotonic() + wait,
                 step=step,
                 abort_grace=grace,

@@ -160,14 +160,23 @@ def shared_gpus(hellos: Mapping[int, wire.Hello]) -> str:
 
 
 def make_pg(
-    store: Any, config: GroupConfig, rank: int, backend: str, dev: torch.device, timeout: datetime.timedelta
+    store: Any,
+    config: GroupConfig,
+    rank: int,
+    backend: str,
+    dev: torch.device,
+    timeout: datetime.timedelta,
+    *,
+    ranks: tuple[int, ...] | None = None,
 ) -> Any:
     """The group's process group, built on its epoch's store (never the
-    default group): gloo for CPU tensors, one NCCL communicator for CUDA."""
+    default group): gloo for CPU tensors, one NCCL communicator for CUDA.
+    ``ranks``: the refit ranks it spans (default: all), in their order."""
     from torch.distributed import PrefixStore
 
     pg_store = PrefixStore("pg", store)
-    world = config.world_size
+    world = config.world_size if ranks is None else len(ranks)
+    pg_rank = rank if ranks is None else ranks.index(rank)
     env = config.pg_env() if config.pg_env is not None else contextlib.nullcontext()
     try:
         with env:
@@ -177,8 +186,8 @@ def make_pg(
                 opts = ProcessGroupGloo._Options()  # type: ignore[attr-defined]
                 opts._timeout = timeout
                 opts._devices = gloo_devices(config)
-                return ProcessGroupGloo(pg_store, rank, world, opts)
-            return nccl_pg(pg_store, rank, world, dev, timeout)
+                return ProcessGroupGloo(pg_store, pg_rank, world, opts)
+            return nccl_pg(pg_store, pg_rank, world, dev, timeout)
     except Exception as e:
         raise RefitError("join", {rank: f"building the {backend} process group failed: {e}"}) from e
 

@@ -52,12 +52,12 @@ from reshard.plan.items import RankPlan
 from reshard.plan.layout import Layout, TensorMeta, layout_digest, table_digest
 from reshard.plan.planner import Planner
 from reshard.plan.rounds import DEFAULT_ROUND_BYTES
-from reshard.transport import wire
+from reshard.transport import members, wire
 from reshard.transport.baseline import gather_broadcast
 from reshard.transport.delta import DeltaRun, DeltaState, capable_pairs, pair_reason
 from reshard.transport.execute import Executor
 from reshard.transport.exports import SessionExports
-from reshard.transport.group import ABORT_GRACE_S, EpochMoved, GroupConfig, RefitGroup
+from reshard.transport.group import ABORT_GRACE_S, EpochMoved, GroupConfig, RefitGroup, Statuses
 from reshard.transport.links import no_wire_problems
 from reshard.transport.locals import LocalTensors, local_tensors
 from reshard.transport.messages import (
@@ -136,7 +136,7 @@ class RefitSession:
         self._layouts: dict[int, Layout] = {}
         self._read: dict[int, str] = {}
         """The digest of every rank's layout as this rank last read it."""
-        self._sets: tuple[tuple[str, ...], LayoutSet, LayoutSet] | None = None
+        self._sets: tuple[tuple[tuple[int, str], ...], LayoutSet, LayoutSet] | None = None
         self._plans: OrderedDict[tuple, _Planned] = OrderedDict()
         self.plans_made = 0
         """Plans this session computed (the others came from its cache)."""
@@ -151,6 +151,9 @@ class RefitSession:
         tensors hold, and since when (:mod:`reshard.transport.delta`)."""
         self._newest = 0
         """The group's last successful refit, as the ``enter`` step found it."""
+        self._missed_after: int | None = None
+        """The refit this rank served when it came back after missing later ones
+        (``None``: it missed none), as the ``enter`` step found it."""
 
     @property
     def is_source(self) -> bool:
@@ -202,7 +205,7 @@ class RefitSession:
         round_bytes, self.big_bytes, self.budgets = group.plan_inputs()
         self.round_bytes = round_bytes or self._asked[0]
         try:
-            self._layouts, self._read = self._exchange_layouts(group, "join", range(self.config.world_size))
+            self._layouts, self._read = self._exchange_layouts(group, "join", list(group.members))
         except BaseException:
             self._drop()
             raise
@@ -272,11 +275,12 @@ class RefitSession:
 
     def _plan_key(self, round_bytes: int) -> tuple:
         assert self.group is not None
-        layouts = tuple(self._read[r] for r in range(self.config.world_size))
+        layouts = tuple((r, self._read[r]) for r in self.group.present)
         return (layouts, tuple(sorted(self.group.domain_of().items())), round_bytes, self.big_bytes)
 
     def _layout_sets(self) -> tuple[LayoutSet, LayoutSet]:
-        key = tuple(self._read[r] for r in range(self.config.world_size))
+        assert self.group is not None
+        key = tuple((r, self._read[r]) for r in self.group.present)
         if self._sets is None or self._sets[0] != key:
             s = self.config.num_sources
             with gc_paused():
@@ -285,7 +289,7 @@ class RefitSession:
                 )
                 dests = LayoutSet.from_layouts(
                     "destination",
-                    [self._layouts[r] for r in range(s, self.config.world_size)],
+                    [self._layouts[r] for r in self.group.present if r >= s],
                     check_ranks=(self.rank,),
                 )
             self._sets = (key, sources, dests)
@@ -353,7 +357,17 @@ class RefitSession:
                     last_refit=self.last_refit,
                     layout=self._digest,
                 )
-                statuses = group.agree("enter", refit, status, peers=(), common=self._enter_common(refit))
+                if self.config.elastic:
+                    called = members.roll_call(group, refit, status)
+                    if called is None:
+                        raise EpochMoved("enter", {self.rank: "a replica asked to join: the group is rebuilt with it"})
+                    statuses = Statuses(called, everyone=True)
+                    # The ranks present may differ from the last refit's: plan
+                    # from the cache keyed by them.
+                    self.planner = None
+                    self._plan = None
+                else:
+                    statuses = group.agree("enter", refit, status, peers=(), common=self._enter_common(refit))
                 break
             except EpochMoved:
                 self._drop()
@@ -378,6 +392,16 @@ class RefitSession:
             raise RefitError("version", dict.fromkeys(range(self.config.world_size), text), agreed=True)
         newest = max(s.last_refit for s in statuses)
         self._newest = newest
+        self._missed_after = self.last_refit if self.config.elastic and refit > newest > self.last_refit else None
+        if self._missed_after is not None:
+            log.warning(
+                "refit rank %d missed refit(s) %d..%d (it served refit %d): refit %d brings it the full version",
+                self.rank,
+                self.last_refit + 1,
+                newest,
+                self.last_refit,
+                refit,
+            )
         if refit <= newest:
             raise self._stale(refit, newest, [s.rank for s in statuses if s.last_refit == newest])
         self._reread_layouts(group, statuses)
@@ -439,7 +463,13 @@ class RefitSession:
                     started_at=started_at,
                     finished_at=time.time(),
                     touched=frozenset(delta.touched) if delta is not None and not self.is_source else None,
+                    **self._membership(group, refit),
                 )
+
+    def _membership(self, group: RefitGroup, refit: int) -> dict:
+        """The replicas this refit reached and those it missed (:class:`RefitStats`)."""
+        refit_replicas, missing = members.summary(group)
+        return {"replicas": refit_replicas, "missing_replicas": missing, "missed_after": self._missed_after}
 
     @contextlib.contextmanager
     def _attempt(self, refit: int) -> Iterator[None]:
@@ -716,6 +746,8 @@ class RefitSession:
         """Refit ``refit`` by gather-and-broadcast (see :mod:`reshard.transport.baseline`);
         ``into`` as for :meth:`refit` (begun with no plan of reshard's, and
         told of no round: the baseline has none)."""
+        if self.config.elastic:
+            raise ValueError("gather_broadcast needs every replica: it does not run with GroupConfig.min_replicas")
         tensors = self._refit_tensors(into)
         t0 = time.perf_counter()
         cpu0 = time.process_time()

@@ -149,6 +149,14 @@ class RefitStats:
     touched: frozenset[str] | None = None
     """With ``GroupConfig.delta``, on a destination: the local tensors whose
     values changed in this refit (``None``: not tracked, any may have)."""
+    replicas: tuple[int, ...] = ()
+    """The engine replicas this refit reached (indices, see
+    ``GroupConfig.replica_size``); with ``min_replicas``, those present."""
+    missing_replicas: dict[int, str] = field(default_factory=dict)
+    """The engine replicas this refit did not reach, and why (``GroupConfig.min_replicas``)."""
+    missed_after: int | None = None
+    """On a rank that missed refits (left out, or joined late): the refit it
+    served before this one brought it the full current version."""
 
     def summary(self) -> str:
         """One line: what this rank moved, how fast, where the time went."""
@@ -172,6 +180,9 @@ class RefitStats:
             round_bytes=self.round_bytes,
             started_at=self.started_at,
             finished_at=self.finished_at,
+            replicas=list(self.replicas),
+            missing_replicas=dict(self.missing_replicas),
+            missed_after=self.missed_after,
         )
         return d
 
@@ -294,6 +305,12 @@ class EngineStats(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     register_seconds: float = 0.0
     """The registration of a new version with the engines (the only part of
     an adapter-only refit that stops them)."""
+    replicas: list[int] = []
+    """The engine replicas the refit reached (``RefitStats.replicas``)."""
+    missing_replicas: dict[int, str] = {}
+    """The engine replicas it did not reach, and why."""
+    missed_after: int | None = None
+    """This worker missed refits: the refit it served before this one."""
     # -- the driver -------------------------------------------------------------------
     paused_seconds: float | None = None
     """How long the engine's generation was paused (``None``: not reported)."""

@@ -214,7 +214,22 @@ class Status(msgspec.Struct, frozen=True, kw_only=True, tag="status"):
     over budget, slices new to this plan)."""
 
 
-Message = Hello | RankLayout | Table | Status | Exports
+class Roster(msgspec.Struct, frozen=True, kw_only=True, tag="roster"):
+    """Who takes part (``GroupConfig.min_replicas``): the ranks of a group's
+    epoch (``refit`` 0, key ``members``) or of one refit (key
+    ``roster/<seq>``), decided by refit rank 0 (:mod:`reshard.transport.members`)."""
+
+    refit: int = 0
+    present: tuple[int, ...] = ()
+    """The refit ranks that take part, sorted."""
+    missing: dict[int, str] = {}
+    """Engine replicas that do not take part (replica index -> why)."""
+    error: str = ""
+    """Why there is no refit (too few replicas); every rank raises it."""
+    version: int = WIRE_VERSION
+
+
+Message = Hello | RankLayout | Table | Status | Exports | Roster
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)

@@ -56,6 +56,12 @@ class GroupSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     version: int = 1
     shared_memory: bool = False
     """Workers move bytes through shared memory with ranks on their host that say so too."""
+    replica_size: int | None = None
+    """Engine worker ranks per replica (``GroupConfig.replica_size``)."""
+    min_replicas: int | None = None
+    """The fewest replicas a refit may run with (``GroupConfig.min_replicas``)."""
+    join_timeout_s: float | None = None
+    replica_timeout_s: float | None = None
     delta: bool = False
     """Delta refits (``GroupConfig.delta``): workers keep what they received
     and take only what changed since (``docs/delta.md``)."""

@@ -364,6 +364,12 @@ class ReshardTrainerInitInfo(TrainerInitInfo):
     move (``GroupConfig.delta``, ``docs/delta.md``)."""
     delta_budget_bytes: int | None = None
     """Bound on each trainer rank's snapshot of what it sent last (``GroupConfig.delta_budget_bytes``)."""
+    replica_size: int | None = None
+    """Engine worker ranks per replica (``GroupConfig.replica_size``)."""
+    min_replicas: int | None = None
+    """The fewest replicas a refit may run with (``GroupConfig.min_replicas``)."""
+    join_timeout_s: float | None = None
+    replica_timeout_s: float | None = None
 
     def group_config(self) -> GroupConfig:
         """The :class:`GroupConfig` this trainer rank joins with (the driver
