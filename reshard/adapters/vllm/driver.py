@@ -28,8 +28,9 @@ from typing import Any
 
 from reshard.adapters.core.fanout import fan_out
 from reshard.adapters.core.replies import WorkerReply, raise_for_replies
+from reshard.adapters.core.servers import replica_offsets, unreachable_line
 from reshard.adapters.core.spec import GroupSpec
-from reshard.errors import MixedWeightsError, ReshardError
+from reshard.errors import MixedWeightsError, ReshardError, ServerUnreachable
 from reshard.transport.group import GroupConfig
 from reshard.transport.session import DEFAULT_BUDGET_BYTES
 
@@ -198,20 +199,23 @@ class HttpEngine:
     def __repr__(self) -> str:
         return f"HttpEngine({self.url!r})"
 
-    def _post(self, path: str, body: dict[str, Any] | None = None, *, text: bool = False) -> Any:
+    def _post(
+        self, path: str, body: dict[str, Any] | None = None, *, text: bool = False, timeout_s: float | None = None
+    ) -> Any:
         data = json.dumps(body).encode() if body is not None else b""
         req = urllib.request.Request(
             self.url + path, data=data, method="POST", headers={"Content-Type": "application/json"}
         )
         try:
-            with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
+            with urllib.request.urlopen(req, timeout=timeout_s or self.timeout_s) as resp:
                 raw = resp.read()
         except urllib.error.HTTPError as e:
             detail = e.read().decode(errors="replace")[:2000]
             hint = " (is the server running with VLLM_SERVER_DEV_MODE=1?)" if e.code == 404 else ""
             raise ReshardError(f"vLLM server {self.url}: POST {path} failed with HTTP {e.code}{hint}: {detail}") from e
         except OSError as e:
-            raise ReshardError(f"vLLM server {self.url}: POST {path} failed: {e}") from e
+            # Refused, reset, timed out: the server is down (ServerUnreachable).
+            raise ServerUnreachable(f"vLLM server {self.url}: POST {path} failed: {e}") from e
         if not raw.strip():
             return None
         try:
@@ -233,6 +237,12 @@ class HttpEngine:
             body["timeout"] = timeout
         out = self._post("/collective_rpc", body)
         return list((out or {}).get("results", []))
+
+    def workers(self, timeout_s: float = 30.0) -> int:
+        """How many workers the server runs (its TP x PP size), asked with a
+        short timeout: :class:`ServerUnreachable` when it is down."""
+        out = self._post("/collective_rpc", {"method": "reshard_status", "args": []}, timeout_s=timeout_s)
+        return len((out or {}).get("results", []))
 
     def pause(self, mode: str = "wait", *, clear_cache: bool = True) -> None:
         """``wait``: finish requests in flight first; ``keep``: freeze them
@@ -318,6 +328,16 @@ class VllmEngines:
     succeeds, and :class:`reshard.errors.MixedWeightsError` names the engine.
     :attr:`mixed` lists them.
 
+    Several servers in an elastic group (``GroupConfig.min_replicas`` set):
+    server ``i`` is replica ``i`` (``replica_size``, set here from the
+    servers' TP size when left ``None``; every server must have the same).
+    A server that cannot be reached (connection refused, timed out) does not
+    fail the push: the live servers are refit and :attr:`unreachable` names
+    it (replica index -> URL and error), which ``Sender.push`` adds to its
+    stats' ``missing_replicas``. A server found down stays out of this
+    object's refits. Without ``min_replicas`` a server that is down fails
+    the push, naming its URL.
+
     ``draft``: engines with a speculative drafter refit it beside the target
     (``"refit"``: the trainer publishes its tensors, under the drafter's
     names, or the plan fails naming them) or leave it alone (``"frozen"``;
@@ -352,6 +372,8 @@ class VllmEngines:
         self.mixed: list[Any] = []
         self.workers: list[list[WorkerReply]] = []
         self.config: GroupConfig | None = None
+        self.unreachable: dict[int, str] = {}
+        """Elastic groups: the servers found down (replica index -> URL and error)."""
         self._kept: dict[int, int] = {}
 
     def _pause_mode(self, engine: Any) -> str:
@@ -366,19 +388,13 @@ class VllmEngines:
 
     def init(self, config: GroupConfig) -> None:
         self.workers = []
+        self.unreachable = {}
+        if config.min_replicas is not None:
+            self._init_elastic(config)
+            return
         offset = 0
         for e in self.engines:
-            spec = GroupSpec.of(
-                config,
-                engine_offset=offset,
-                budget_bytes=self.budget_bytes,
-                atomic=self.atomic,
-                draft=self.draft,
-                # The job token never travels over HTTP: servers read
-                # $RESHARD_TOKEN from their own environment.
-                with_token=not isinstance(e, HttpEngine),
-            )
-            replies = init_workers(e, spec)
+            replies = init_workers(e, self._spec(config, e, offset))
             self.workers.append(replies)
             self._kept[id(e)] = max(int(r.stats.get("kept_bytes", 0)) for r in replies)
             offset += len(replies)
@@ -389,10 +405,51 @@ class VllmEngines:
             )
         self.config = config
 
+    def _spec(self, config: GroupConfig, e: Any, offset: int) -> GroupSpec:
+        return GroupSpec.of(
+            config,
+            engine_offset=offset,
+            budget_bytes=self.budget_bytes,
+            atomic=self.atomic,
+            draft=self.draft,
+            # The job token never travels over HTTP: servers read
+            # $RESHARD_TOKEN from their own environment.
+            with_token=not isinstance(e, HttpEngine),
+        )
+
+    def _init_elastic(self, config: GroupConfig) -> None:
+        """Servers as replicas of one size; those down are named, not fatal."""
+
+        def size(i: int) -> int | None:
+            e = self.engines[i]
+            try:
+                return e.workers() if isinstance(e, HttpEngine) else len(e.collective_rpc("reshard_status"))
+            except ServerUnreachable as err:
+                self.unreachable[i] = unreachable_line(e.url, err)
+                return None
+
+        sizes = fan_out(range(len(self.engines)), size, name="reshard-probe")
+        offsets = replica_offsets(config, sizes, [repr(e) for e in self.engines])
+        self.workers = [[] for _ in self.engines]
+        for i, e in enumerate(self.engines):
+            if i in self.unreachable:
+                continue
+            try:
+                replies = init_workers(e, self._spec(config, e, offsets[i]))
+            except ServerUnreachable as err:
+                self.unreachable[i] = unreachable_line(e.url, err)
+                continue
+            self.workers[i] = replies
+            self._kept[id(e)] = max(int(r.stats.get("kept_bytes", 0)) for r in replies)
+        for why in self.unreachable.values():
+            log.warning("refit group %r: %s; the other servers are refit without it", config.job, why)
+        self.config = config
+
     def refit(self, refit: int, *, method: str = "reshard") -> list[WorkerReply]:
         if self.config is None:
             raise RuntimeError("VllmEngines.init must run before a refit")
         mixed: list[Any] = []
+        elastic = self.config.min_replicas is not None
 
         def one(e: Any) -> list[WorkerReply]:
             server = isinstance(e, HttpEngine)
@@ -443,8 +500,19 @@ class VllmEngines:
                 raise
             return replies
 
+        def guarded(i: int) -> list[WorkerReply]:
+            try:
+                return one(self.engines[i])
+            except ServerUnreachable as err:
+                if not elastic:
+                    raise
+                self.unreachable[i] = unreachable_line(self.engines[i].url, err)
+                log.warning("refit %d: %s; the other servers are refit without it", refit, self.unreachable[i])
+                return []
+
+        live = [i for i in range(len(self.engines)) if i not in self.unreachable]
         try:
-            return [r for replies in fan_out(self.engines, one, name="reshard-pull") for r in replies]
+            return [r for replies in fan_out(live, guarded, name="reshard-pull") for r in replies]
         finally:
             self.mixed = mixed
 
