@@ -10,11 +10,27 @@ from collections.abc import Sequence
 
 import msgspec
 
-__all__ = ["MetadataError", "MixedWeightsError", "PlanError", "Problem", "RefitError", "ReshardError", "span"]
+__all__ = [
+    "MetadataError",
+    "MixedWeightsError",
+    "PlanError",
+    "Problem",
+    "RefitError",
+    "ReshardError",
+    "ServerUnreachable",
+    "span",
+]
 
 
 class ReshardError(RuntimeError):
     """Base class of every error reshard raises on purpose."""
+
+
+class ServerUnreachable(ReshardError):
+    """An engine server's HTTP endpoint could not be reached (connection
+    refused, reset or timed out): the server is down, not failing. With an
+    elastic group (``GroupConfig.min_replicas``) the drivers refit the
+    others and name it; otherwise it fails the refit."""
 
 
 class Problem(msgspec.Struct, frozen=True, kw_only=True):

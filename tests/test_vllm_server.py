@@ -19,6 +19,7 @@ from .vllm_support import (
     MAX_TOKENS,
     PROMPTS,
     VllmServer,
+    elastic_server_trainer,
     fresh_greedy_and_state,
     fsdp_trainer,
     plain_trainer,
@@ -35,6 +36,8 @@ def _complete(url: str, model: str, prompt: list[int], max_tokens: int = MAX_TOK
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
+    from reshard.adapters.vllm.driver import HttpEngine, engine_state
+
     root = tmp_path_factory.mktemp("server")
     v1 = build_tiny_model(root / "v1", "qwen2", seed=0)
     v2 = build_tiny_model(root / "v2", "qwen2", seed=7)
@@ -54,7 +57,15 @@ def server(tmp_path_factory):
     try:
         # The server starts on v1: these are a fresh server's tokens on v1.
         tokens = {"v1": server_greedy(srv.url)}
-        yield {"url": srv.url, "model": str(v1), "v1": str(v1), "v2": str(v2), "tokens": tokens}
+        (state_v1,) = engine_state(HttpEngine(srv.url))
+        yield {
+            "url": srv.url,
+            "model": str(v1),
+            "v1": str(v1),
+            "v2": str(v2),
+            "tokens": tokens,
+            "state_v1": state_v1,
+        }
     finally:
         srv.close()
 
@@ -427,4 +438,48 @@ def test_a_sleeping_server_wakes_its_weights_for_the_refit_and_serves_after_it(s
     assert procs.check([trainer.outcome(HANG_S)]) == [{"ok": True}]
     assert stats[0].ok and stats[0].stats["bytes_received"] == stats[0].stats["kept_bytes"]
     assert not http.is_sleeping()
+    assert server_greedy(url) == server["tokens"]["v1"]
+
+
+DEAD_JOIN_S = 20.0
+"""How long the first refit of an elastic group waits for a replica that
+never joins (the dead server's): long enough for the live server's worker to
+join on a busy machine, which it must do within it."""
+
+
+def test_a_server_list_with_a_dead_url_refits_the_live_one_and_names_the_dead(server):
+    """``VllmEngines([dead, live])`` in an elastic group (``min_replicas=1``):
+    the URL nobody listens on does not fail the push; the live server (replica
+    1: the dead one keeps replica 0's rank) is refit, twice, and ends equal to
+    a fresh server on v1 in every tensor; each push names the dead URL in its
+    ``missing_replicas``."""
+    from reshard.adapters.core.state import compare_states
+    from reshard.adapters.vllm.driver import HttpEngine, engine_state
+    from reshard.testing.ports import free_port
+
+    url, dead = server["url"], f"http://127.0.0.1:{free_port()}"
+    store = procs.StoreServer()
+    (pushes,) = procs.check(
+        procs.run(
+            elastic_server_trainer,
+            1,
+            store.address,
+            [server["v2"], server["v1"]],
+            [dead, url],
+            DEAD_JOIN_S,
+            timeout=HANG_S,
+        )
+    )
+    assert len(pushes) == 2
+    for push in pushes:
+        assert push["replicas"] == [1], push
+        assert list(push["missing"]) == [0], push
+        assert f"engine server {dead} unreachable" in push["missing"][0]
+        assert "Connection refused" in push["missing"][0]
+        (worker,) = push["workers"]
+        assert worker["ok"] and worker["rank"] == 2
+        assert worker["bytes_received"] == worker["kept_bytes"] > 0
+    assert "join_timeout_s" in pushes[0]["missing"][0]
+    (ours,) = engine_state(HttpEngine(url))
+    assert not compare_states(ours, server["state_v1"])
     assert server_greedy(url) == server["tokens"]["v1"]

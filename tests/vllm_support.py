@@ -249,6 +249,44 @@ def backend_scenario(rank: int, tp: int, v1: str, v2: str, port: int) -> dict[st
     return out
 
 
+def elastic_server_trainer(
+    rank: int, address: str, paths: list[str], urls: list[str], join_timeout_s: float
+) -> list[dict[str, Any]]:
+    """One trainer rank (no FSDP) driving ``VllmEngines(urls)`` (TP=1 servers,
+    some maybe down) in an elastic group (``min_replicas=1``): refit
+    ``1 + i`` pushes the weights of ``paths[i]``. Per push: the replicas
+    refit, those missing and why, every worker's reply."""
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from reshard import Sender
+    from reshard.adapters.vllm.driver import VllmEngines
+
+    model = AutoModelForCausalLM.from_pretrained(paths[0], dtype=torch.float32)
+    cfg = group_config(address, 1, len(urls), min_replicas=1, join_timeout_s=join_timeout_s)
+    sender = Sender(model, config=cfg)
+    engines = VllmEngines(urls)
+    out = []
+    try:
+        for i, path in enumerate(paths):
+            weights = load_file(os.path.join(path, "model.safetensors"))
+            with torch.no_grad():
+                for name, p in model.named_parameters():
+                    p.copy_(weights[name])
+            st = sender.push(1 + i, engines=engines)
+            out.append(
+                {
+                    "replicas": list(st.replicas),
+                    "missing": dict(st.missing_replicas),
+                    "workers": flat(sender.engine_replies),
+                }
+            )
+        return out
+    finally:
+        sender.close()
+
+
 def trainer_ready_key(first_refit: int, generation: int) -> str:
     """The key :func:`plain_trainer` sets on the test's store once it is about
     to push (its imports and model load done): a test that starts a refit on

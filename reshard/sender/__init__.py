@@ -209,7 +209,10 @@ class Sender:
         on first use and told to pull this refit while this rank pushes, so
         this one call does the whole update. The engines' per-worker stats
         are in ``self.engine_stats`` afterwards (typed :class:`EngineStats`;
-        the raw replies in ``self.engine_replies``)."""
+        the raw replies in ``self.engine_replies``). With
+        ``GroupConfig.min_replicas``, engine servers found down (the
+        engines' ``unreachable``: replica -> why) are named in the stats'
+        ``missing_replicas``."""
         if method not in ("reshard", "gather_broadcast"):
             raise ValueError(f"unknown refit method {method!r}; use 'reshard' or 'gather_broadcast'")
         if self._describe is not None:
@@ -231,6 +234,15 @@ class Sender:
         )
         self.engine_replies = list(replies)
         self.engine_stats = [EngineStats.of(r) for r in self.engine_replies]
+        # Elastic groups: servers the engines found down, by replica (their
+        # URL and error), beside what the group saw of them.
+        down: dict[int, str] = dict(getattr(engines, "unreachable", None) or {})
+        if down:
+            seen = stats.missing_replicas
+            stats.missing_replicas = {
+                **seen,
+                **{i: f"{why}; {seen[i]}" if i in seen else why for i, why in down.items()},
+            }
         return self._done(stats, method)
 
     def _done(self, stats: RefitStats, method: str) -> RefitStats:

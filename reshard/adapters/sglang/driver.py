@@ -41,10 +41,11 @@ from typing import TYPE_CHECKING, Any
 
 from reshard.adapters.core.fanout import fan_out
 from reshard.adapters.core.replies import WorkerReply
+from reshard.adapters.core.servers import replica_offsets, unreachable_line
 from reshard.adapters.core.spec import GroupSpec
 from reshard.adapters.sglang import protocol
 from reshard.adapters.sglang.protocol import Command
-from reshard.errors import MixedWeightsError, RefitError, ReshardError
+from reshard.errors import MixedWeightsError, RefitError, ReshardError, ServerUnreachable
 from reshard.transport.config import parse_address
 from reshard.transport.session import DEFAULT_BUDGET_BYTES
 
@@ -107,7 +108,8 @@ class SglangEngine:
         except urllib.error.HTTPError as e:
             status, raw = e.code, e.read()
         except (urllib.error.URLError, TimeoutError, ConnectionError) as e:
-            raise ReshardError(f"SGLang server {self.url}: {method} {path} failed: {e}") from e
+            # Refused, reset, timed out: the server is down.
+            raise ServerUnreachable(f"SGLang server {self.url}: {method} {path} failed: {e}") from e
         try:
             return status, json.loads(raw)
         except ValueError:
@@ -286,7 +288,15 @@ class SglangEngines:
     """SGLang servers as :class:`reshard.sender.engines.Engines`: ``sender.push(n,
     engines=SglangEngines(["http://engine-0:30000", ...]))``. Engine ``i``'s
     workers take the refit ranks after engine ``i-1``'s; all engines are
-    refitted concurrently, each paused, updated, flushed and resumed."""
+    refitted concurrently, each paused, updated, flushed and resumed.
+
+    With ``GroupConfig.min_replicas`` (an elastic group) server ``i`` is
+    replica ``i`` (``replica_size``: set from the servers' TP size when left
+    ``None``; every server must have the same), and a server that cannot be
+    reached does not fail the push: the live ones are refit and
+    :attr:`unreachable` names it (replica -> URL and error; ``Sender.push``
+    adds it to its stats' ``missing_replicas``). It stays out of this
+    object's refits. Without ``min_replicas`` it fails the push, naming its URL."""
 
     def __init__(
         self,
@@ -300,12 +310,30 @@ class SglangEngines:
         self.engines = [SglangEngine(u, api_key=api_key, budget_bytes=budget_bytes) for u in urls]
         self.pause = pause
         self.config: GroupConfig | None = None
+        self.unreachable: dict[int, str] = {}
+        """Elastic groups: the servers found down (replica index -> URL and error)."""
 
     @property
     def paused(self) -> bool:
         return any(e.paused for e in self.engines)
 
     def init(self, config: GroupConfig) -> None:
+        self.unreachable = {}
+        if config.min_replicas is not None:
+
+            def size(i: int) -> int | None:
+                try:
+                    return self.engines[i].tp_size
+                except ServerUnreachable as err:
+                    self.unreachable[i] = unreachable_line(self.engines[i].url, err)
+                    return None
+
+            sizes = fan_out(range(len(self.engines)), size, name="reshard-probe")
+            offsets = replica_offsets(config, sizes, [e.url for e in self.engines])
+            for e, offset in zip(self.engines, offsets, strict=True):
+                e.engine_offset = offset
+            self.config = config
+            return
         offset = 0
         for e in self.engines:
             e.engine_offset = offset
@@ -321,7 +349,18 @@ class SglangEngines:
         if self.config is None:
             raise ReshardError("call init(config) before refit")
         config = self.config
-        replies = fan_out(
-            self.engines, lambda e: e.refit(refit, config, method=method, pause=self.pause), name="reshard-sglang"
-        )
+        elastic = config.min_replicas is not None
+
+        def one(i: int) -> list[WorkerReply]:
+            e = self.engines[i]
+            try:
+                return e.refit(refit, config, method=method, pause=self.pause)
+            except ServerUnreachable as err:
+                if not elastic:
+                    raise
+                self.unreachable[i] = unreachable_line(e.url, err)
+                return []
+
+        live = [i for i in range(len(self.engines)) if i not in self.unreachable]
+        replies = fan_out(live, one, name="reshard-sglang")
         return [r for rs in replies for r in rs]

@@ -5,11 +5,8 @@ when any worker failed.
   ``collective_rpc`` (an offline ``LLM``, or :class:`HttpEngine`);
   :func:`stage_workers` / :func:`commit_workers`: the two phases of a
   two-phase refit.
-- :class:`HttpEngine`: a ``vllm serve`` endpoint started with
-  ``VLLM_SERVER_DEV_MODE=1`` and ``--worker-extension-cls
-  reshard.adapters.vllm.ReshardWorkerExtension`` (``/collective_rpc``,
-  ``/pause``, ``/resume``, ``/reset_prefix_cache`` are dev-mode routes in
-  vLLM 0.32).
+- :class:`HttpEngine` (:mod:`reshard.adapters.vllm.http`, re-exported here):
+  a ``vllm serve`` endpoint in dev mode.
 - :class:`VllmEngines`: several engines driven as one, for
   ``Sender.push(n, engines=VllmEngines([...]))``.
 """
@@ -18,18 +15,17 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import json
 import logging
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Iterator, Sequence
 from typing import Any
 
 from reshard.adapters.core.fanout import fan_out
 from reshard.adapters.core.replies import WorkerReply, raise_for_replies
+from reshard.adapters.core.servers import replica_offsets, unreachable_line
 from reshard.adapters.core.spec import GroupSpec
-from reshard.errors import MixedWeightsError, ReshardError
+from reshard.adapters.vllm.http import HttpEngine
+from reshard.errors import MixedWeightsError, ReshardError, ServerUnreachable
 from reshard.transport.group import GroupConfig
 from reshard.transport.session import DEFAULT_BUDGET_BYTES
 
@@ -177,105 +173,6 @@ def pause_mode_for(version: str | None) -> str:
     return "wait" if tuple(parts) < (0, 33) else "keep"
 
 
-class HttpEngine:
-    """A ``vllm serve`` endpoint (``http://host:port``) in dev mode."""
-
-    def __init__(self, url: str, *, timeout_s: float = 600.0) -> None:
-        self.url = url.rstrip("/")
-        self.timeout_s = timeout_s
-        self._version: str | None = None
-
-    def version(self) -> str | None:
-        """The server's vLLM version (``GET /version``; ``None`` if it does not say)."""
-        if self._version is None:
-            try:
-                with urllib.request.urlopen(self.url + "/version", timeout=self.timeout_s) as resp:
-                    self._version = str(json.loads(resp.read()).get("version") or "") or None
-            except (OSError, ValueError) as e:
-                log.warning("vLLM server %s: GET /version failed (%s); assuming a recent vLLM", self.url, e)
-        return self._version
-
-    def __repr__(self) -> str:
-        return f"HttpEngine({self.url!r})"
-
-    def _post(self, path: str, body: dict[str, Any] | None = None, *, text: bool = False) -> Any:
-        data = json.dumps(body).encode() if body is not None else b""
-        req = urllib.request.Request(
-            self.url + path, data=data, method="POST", headers={"Content-Type": "application/json"}
-        )
-        try:
-            with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
-                raw = resp.read()
-        except urllib.error.HTTPError as e:
-            detail = e.read().decode(errors="replace")[:2000]
-            hint = " (is the server running with VLLM_SERVER_DEV_MODE=1?)" if e.code == 404 else ""
-            raise ReshardError(f"vLLM server {self.url}: POST {path} failed with HTTP {e.code}{hint}: {detail}") from e
-        except OSError as e:
-            raise ReshardError(f"vLLM server {self.url}: POST {path} failed: {e}") from e
-        if not raw.strip():
-            return None
-        try:
-            return json.loads(raw)
-        except ValueError:
-            if text:
-                return raw.decode(errors="replace")
-            raise
-
-    def post_json(self, path: str, body: dict[str, Any]) -> Any:
-        """``POST path`` with a JSON body; the server's answer, JSON or text
-        (vLLM's LoRA routes answer text); HTTP errors raise, naming the server."""
-        return self._post(path, body, text=True)
-
-    def collective_rpc(self, method: str, args: Sequence[Any] = (), timeout: float | None = None) -> list[Any]:
-        """Every worker's reply; the HTTP route passes string arguments only."""
-        body: dict[str, Any] = {"method": method, "args": [a if isinstance(a, str) else json.dumps(a) for a in args]}
-        if timeout is not None:
-            body["timeout"] = timeout
-        out = self._post("/collective_rpc", body)
-        return list((out or {}).get("results", []))
-
-    def pause(self, mode: str = "wait", *, clear_cache: bool = True) -> None:
-        """``wait``: finish requests in flight first; ``keep``: freeze them
-        (they continue on the new weights); ``abort``: drop them.
-        ``clear_cache=False``: keep the KV and prefix caches (vLLM drops them
-        by default, which in ``keep`` mode preempts the frozen requests: they
-        are recomputed when they resume)."""
-        self._post(f"/pause?mode={mode}" + ("" if clear_cache else "&clear_cache=false"))
-
-    def resume(self) -> None:
-        self._post("/resume")
-
-    def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
-        """vLLM's ``/reset_prefix_cache``: whether it dropped every cached
-        prefix (it cannot while requests hold KV blocks, unless
-        ``reset_running_requests``, which preempts them: they are computed
-        again when they run next)."""
-        query = "?reset_running_requests=true" if reset_running_requests else ""
-        out = self._post("/reset_prefix_cache" + query)
-        return bool((out or {}).get("success", True)) if isinstance(out, dict) else True
-
-    def sleep(self, level: int = 1) -> None:
-        """vLLM's ``/sleep`` (dev mode): level 1 offloads the weights and
-        drops the KV cache, level 2 drops both (on a GPU; on CPU vLLM 0.32's
-        worker keeps both and only the engine's state changes)."""
-        self._post(f"/sleep?level={int(level)}")
-
-    def wake_up(self, tags: Sequence[str] | None = None) -> bool:
-        """vLLM's ``/wake_up``; whether the engine is fully awake after it."""
-        query = "&".join(f"tags={t}" for t in tags or ())
-        out = self._post("/wake_up" + (f"?{query}" if query else ""))
-        return (out or {}).get("status") == "awake"
-
-    def is_sleeping(self) -> bool:
-        """vLLM's ``/is_sleeping``: asleep at any level (or paused)."""
-        req = urllib.request.Request(self.url + "/is_sleeping", method="GET")
-        try:
-            with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
-                return bool(json.loads(resp.read()).get("is_sleeping"))
-        except (OSError, ValueError) as e:
-            raise ReshardError(f"vLLM server {self.url}: GET /is_sleeping failed: {e}") from e
-
-
 class VllmEngines:
     """Several vLLM engines (offline ``LLM`` objects, :class:`HttpEngine` or
     URLs) refit as one: engine ``i``'s workers take the refit ranks after
@@ -318,6 +215,16 @@ class VllmEngines:
     succeeds, and :class:`reshard.errors.MixedWeightsError` names the engine.
     :attr:`mixed` lists them.
 
+    Several servers in an elastic group (``GroupConfig.min_replicas`` set):
+    server ``i`` is replica ``i`` (``replica_size``, set here from the
+    servers' TP size when left ``None``; every server must have the same).
+    A server that cannot be reached (connection refused, timed out) does not
+    fail the push: the live servers are refit and :attr:`unreachable` names
+    it (replica index -> URL and error), which ``Sender.push`` adds to its
+    stats' ``missing_replicas``. A server found down stays out of this
+    object's refits. Without ``min_replicas`` a server that is down fails
+    the push, naming its URL.
+
     ``draft``: engines with a speculative drafter refit it beside the target
     (``"refit"``: the trainer publishes its tensors, under the drafter's
     names, or the plan fails naming them) or leave it alone (``"frozen"``;
@@ -352,6 +259,8 @@ class VllmEngines:
         self.mixed: list[Any] = []
         self.workers: list[list[WorkerReply]] = []
         self.config: GroupConfig | None = None
+        self.unreachable: dict[int, str] = {}
+        """Elastic groups: the servers found down (replica index -> URL and error)."""
         self._kept: dict[int, int] = {}
 
     def _pause_mode(self, engine: Any) -> str:
@@ -366,19 +275,13 @@ class VllmEngines:
 
     def init(self, config: GroupConfig) -> None:
         self.workers = []
+        self.unreachable = {}
+        if config.min_replicas is not None:
+            self._init_elastic(config)
+            return
         offset = 0
         for e in self.engines:
-            spec = GroupSpec.of(
-                config,
-                engine_offset=offset,
-                budget_bytes=self.budget_bytes,
-                atomic=self.atomic,
-                draft=self.draft,
-                # The job token never travels over HTTP: servers read
-                # $RESHARD_TOKEN from their own environment.
-                with_token=not isinstance(e, HttpEngine),
-            )
-            replies = init_workers(e, spec)
+            replies = init_workers(e, self._spec(config, e, offset))
             self.workers.append(replies)
             self._kept[id(e)] = max(int(r.stats.get("kept_bytes", 0)) for r in replies)
             offset += len(replies)
@@ -389,10 +292,51 @@ class VllmEngines:
             )
         self.config = config
 
+    def _spec(self, config: GroupConfig, e: Any, offset: int) -> GroupSpec:
+        return GroupSpec.of(
+            config,
+            engine_offset=offset,
+            budget_bytes=self.budget_bytes,
+            atomic=self.atomic,
+            draft=self.draft,
+            # The job token never travels over HTTP: servers read
+            # $RESHARD_TOKEN from their own environment.
+            with_token=not isinstance(e, HttpEngine),
+        )
+
+    def _init_elastic(self, config: GroupConfig) -> None:
+        """Servers as replicas of one size; those down are named, not fatal."""
+
+        def size(i: int) -> int | None:
+            e = self.engines[i]
+            try:
+                return e.workers() if isinstance(e, HttpEngine) else len(e.collective_rpc("reshard_status"))
+            except ServerUnreachable as err:
+                self.unreachable[i] = unreachable_line(e.url, err)
+                return None
+
+        sizes = fan_out(range(len(self.engines)), size, name="reshard-probe")
+        offsets = replica_offsets(config, sizes, [repr(e) for e in self.engines])
+        self.workers = [[] for _ in self.engines]
+        for i, e in enumerate(self.engines):
+            if i in self.unreachable:
+                continue
+            try:
+                replies = init_workers(e, self._spec(config, e, offsets[i]))
+            except ServerUnreachable as err:
+                self.unreachable[i] = unreachable_line(e.url, err)
+                continue
+            self.workers[i] = replies
+            self._kept[id(e)] = max(int(r.stats.get("kept_bytes", 0)) for r in replies)
+        for why in self.unreachable.values():
+            log.warning("refit group %r: %s; the other servers are refit without it", config.job, why)
+        self.config = config
+
     def refit(self, refit: int, *, method: str = "reshard") -> list[WorkerReply]:
         if self.config is None:
             raise RuntimeError("VllmEngines.init must run before a refit")
         mixed: list[Any] = []
+        elastic = self.config.min_replicas is not None
 
         def one(e: Any) -> list[WorkerReply]:
             server = isinstance(e, HttpEngine)
@@ -443,8 +387,19 @@ class VllmEngines:
                 raise
             return replies
 
+        def guarded(i: int) -> list[WorkerReply]:
+            try:
+                return one(self.engines[i])
+            except ServerUnreachable as err:
+                if not elastic:
+                    raise
+                self.unreachable[i] = unreachable_line(self.engines[i].url, err)
+                log.warning("refit %d: %s; the other servers are refit without it", refit, self.unreachable[i])
+                return []
+
+        live = [i for i in range(len(self.engines)) if i not in self.unreachable]
         try:
-            return [r for replies in fan_out(self.engines, one, name="reshard-pull") for r in replies]
+            return [r for replies in fan_out(live, guarded, name="reshard-pull") for r in replies]
         finally:
             self.mixed = mixed
 
