@@ -150,7 +150,15 @@ def _trainer(m: dict[str, Any], i: int) -> dict[str, Any]:
 
 
 def _push(
-    llm, source: Any, refit: int, tp: int, *, mode: str = "refit", after_round: Any = None, **sender: Any
+    llm,
+    source: Any,
+    refit: int,
+    tp: int,
+    *,
+    mode: str = "refit",
+    after_round: Any = None,
+    two_phase: bool = False,
+    **sender: Any,
 ) -> list[dict[str, Any]]:
     """One refit of ``llm`` from a trainer rank in this process (its own refit group)."""
     from reshard import GroupConfig, Sender
@@ -160,10 +168,42 @@ def _push(
     cfg = GroupConfig(address=f"127.0.0.1:{free_port()}", num_sources=1, num_destinations=tp, timeout_s=180)
     sender = Sender(source, config=cfg, **sender)
     try:
-        sender.push(refit, engines=VllmEngines([llm], draft=mode), after_round=after_round)
+        sender.push(refit, engines=VllmEngines([llm], draft=mode, two_phase=two_phase), after_round=after_round)
         return [s.to_builtins() for s in sender.engine_stats]
     finally:
         sender.close()
+
+
+def _delta_refits(llm, m: dict[str, Any], refit: int, tp: int) -> list[list[dict[str, Any]]]:
+    """Delta refits of target and drafter (``GroupConfig.delta``) from one
+    trainer: version 0 (dense, the base), then the trainer steps to version
+    1 in place and the next refit sends deltas: each refit's stats."""
+    import torch
+
+    from reshard import GroupConfig, Sender
+    from reshard.adapters.vllm.driver import VllmEngines
+    from reshard.testing.ports import free_port
+
+    cfg = GroupConfig(address=f"127.0.0.1:{free_port()}", num_sources=1, num_destinations=tp, timeout_s=180, delta=True)
+    trainer, step = _trainer(m, 0), _trainer(m, 1)
+    sender = Sender(**trainer, config=cfg)
+    engines = VllmEngines([llm])
+    out = []
+    try:
+        sender.push(refit, engines=engines)
+        out.append([s.to_builtins() for s in sender.engine_stats])
+        with torch.no_grad():
+            for key in ("source", "draft"):
+                if isinstance(trainer[key], dict):
+                    for k, t in trainer[key].items():
+                        t.copy_(step[key][k])
+                else:
+                    trainer[key].load_state_dict(step[key].state_dict())
+        sender.push(refit + 1, engines=engines)
+        out.append([s.to_builtins() for s in sender.engine_stats])
+    finally:
+        sender.close()
+    return out
 
 
 def scenario(rank: int, root: str, method: str, tp: int) -> dict[str, Any]:
@@ -224,9 +264,44 @@ def scenario(rank: int, root: str, method: str, tp: int) -> dict[str, Any]:
                 out["failed"] = f"{type(e).__name__}: {e}"
             out["after_failure_stats"] = _push(llm, refit=5, tp=tp, **_trainer(m, 1))
             out["after_failure"] = engine_state(llm)
+        # Two-phase refits (staged while serving, then committed): target
+        # and drafter staged together, committed together.
+        _push(llm, refit=10, tp=tp, two_phase=True, **_trainer(m, 0))
+        out["two_phase_stats"] = _push(llm, refit=11, tp=tp, two_phase=True, **_trainer(m, 1))
+        out["two_phase"] = engine_state(llm)
         out["drafter_names"] = sorted(
             k for k in _tensors(m, 1, drafter=True) if k.startswith("draft.") or k.startswith(m.get("mtp_prefix", "@"))
         )
+    finally:
+        shutdown(llm)
+    return out
+
+
+DELTA = ("mtp", 1)
+"""The configuration delta refits are checked on (MTP layers in the target's
+checkpoint, MoE experts repacked, ``shared_head.head`` shared)."""
+
+
+def delta_scenario(rank: int, root: str, method: str, tp: int) -> dict[str, Any]:
+    """Delta refits of target and drafter (:func:`_delta_refits`) in a host
+    process of their own: a delta refit imports numba, whose llvmlite
+    bindings break vLLM 0.32's triton-kernel scan (``vars(value).get``) for
+    every engine started in that process afterwards."""
+    from reshard.adapters.vllm.driver import engine_state
+    from tests.vllm_support import make_llm, shutdown
+
+    m = _models(root, method)
+    spec = {**speculative_config(m.get("method", method), m["d"][0]), **m["spec"]}
+    llm = make_llm(
+        m["v"][0],
+        tp,
+        extension="reshard.adapters.vllm.ReshardWorkerExtension",
+        speculative_config=spec,
+        **{"dtype": "float32", **m["args"]},
+    )
+    try:
+        out: dict[str, Any] = {"delta_stats": _delta_refits(llm, m, 1, tp)}
+        out["delta"] = engine_state(llm)
     finally:
         shutdown(llm)
     return out
@@ -303,6 +378,11 @@ def runs(tmp_path_factory) -> dict[tuple[str, int], dict[str, Any]]:
         for method, tp in CONFIGS:
             out[(method, tp)] = host.call(scenario, root, method, tp, timeout=600)[0]
         out[("native", 1)] = host.call(native_scenario, root, timeout=600)[0]
+    finally:
+        host.close()
+    host = procs.Pool(1, daemon=False)
+    try:
+        out[("delta", 1)] = host.call(delta_scenario, root, *DELTA, timeout=600)[0]
     finally:
         host.close()
     return out
@@ -383,6 +463,29 @@ def test_vllm_draft_session_through_the_reshard_backend_moves_the_drafter_alone(
     assert run["acceptance"] == 1.0
     assert not _differ(run["state"], fresh["fresh"]), _differ(run["state"], fresh["fresh"])[:10]
     assert run["tokens"] == fresh["fresh_tokens"]
+
+
+def test_a_two_phase_refit_stages_and_commits_target_and_drafter(run):
+    """Two-phase refits (stage while serving, then commit): back to the old
+    version and on to the new one, the drafter's bytes staged with the
+    target's; the engine ends equal to a fresh engine, drafter included."""
+    for s in run["two_phase_stats"]:
+        assert s["two_phase"] and s["drafter"] == "refit"
+        assert 0 < s["drafter_kept_bytes"] < s["kept_bytes"] == s["bytes_landed"]
+        assert s["staging_bytes"] >= s["kept_bytes"]
+    assert not _differ(run["two_phase"], run["fresh"]), _differ(run["two_phase"], run["fresh"])[:10]
+
+
+def test_delta_refits_patch_target_and_drafter(runs):
+    """Delta refits: the first dense (the base, drafter included), the next
+    a delta; the engine ends equal to a fresh engine, drafter included."""
+    run = {**runs[("delta", 1)], "fresh": runs[DELTA]["fresh"]}
+    first, second = run["delta_stats"]
+    for s in first + second:
+        assert s["delta"] and s["drafter"] == "refit"
+        assert 0 < s["drafter_kept_bytes"] < s["kept_bytes"]
+    assert all(s["bytes_landed"] == s["kept_bytes"] for s in first)
+    assert not _differ(run["delta"], run["fresh"]), _differ(run["delta"], run["fresh"])[:10]
 
 
 def test_a_refit_that_fails_midway_leaves_target_and_drafter_recoverable(runs):

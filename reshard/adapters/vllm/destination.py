@@ -68,7 +68,7 @@ class LayerwiseRefit(LocalTensors):
         if buffers is None:
             self.applier = Applier(update.after_round, pool, idle=idle)
         else:
-            assert isinstance(update, LayerwiseUpdate), "delta refits of a drafter are refused at start"
+            # (With a drafter, WithDrafter splits the buffers between the two reloads.)
             self.applier = Applier(lambda i, changed: update.load_released(buffers, changed, i), pool, idle=idle)
 
     def __enter__(self) -> LayerwiseRefit:

@@ -33,6 +33,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+from collections.abc import Mapping
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -223,10 +225,11 @@ def learn_drafter(
     )
 
 
-def drafter_worker(learned: LearnedDrafter, *, rank: int, device: Any) -> WorkerModel:
+def drafter_worker(learned: LearnedDrafter, *, rank: int, device: Any, delta: bool = False) -> WorkerModel:
     """What a refit of the drafter needs (as :class:`WorkerModel` says for a
     target): its local names under :data:`DRAFT_LOCAL` in the worker's
-    plans; layers written in place decided from its own processing."""
+    plans; layers written in place decided from its own processing.
+    ``delta``: delta refits (its staging buffers are a base: never loaded from in place)."""
     from reshard.adapters.vllm.direct import direct_layers
     from reshard.adapters.vllm.lifecycle import followers
 
@@ -238,6 +241,7 @@ def drafter_worker(learned: LearnedDrafter, *, rank: int, device: Any) -> Worker
         model_config=learned.drafter.model_config,
         learned=layout,
         rank=rank,
+        delta=delta,
         modules=modules,
         followers=tuple(followers(modules, set(layout.layers))),
         direct=direct_layers(modules, layout, layout.whole()),
@@ -320,6 +324,36 @@ class WithDrafter:
     def after_round(self, index: int) -> None:
         for u in self.updates:
             u.after_round(index)
+
+    def _split(self, names: Any) -> tuple[Any, Any]:
+        """``names`` (a mapping or set of local names; ``None``: all) as the
+        target's and the drafter's (names under :data:`DRAFT_LOCAL` unprefixed)."""
+        if names is None:
+            return None, None
+        n = len(DRAFT_LOCAL)
+        if isinstance(names, Mapping):
+            target = {k: v for k, v in names.items() if not k.startswith(DRAFT_LOCAL)}
+            return target, {k[n:]: v for k, v in names.items() if k.startswith(DRAFT_LOCAL)}
+        return {k for k in names if not k.startswith(DRAFT_LOCAL)}, {k[n:] for k in names if k.startswith(DRAFT_LOCAL)}
+
+    def load_from(self, buffers: Mapping[str, torch.Tensor], changed: AbstractSet[str] | None = None) -> None:
+        """Load target and drafter from staging ``buffers`` (a commit, or a
+        delta refit), as :meth:`LayerwiseUpdate.load_from` does for one."""
+        if not self.started:
+            self.begin()
+        (tb, db), (tc, dc) = self._split(buffers), self._split(changed)
+        if self.target is not None:
+            self.target.load_from(tb, tc)
+        self.drafter.load_from(db, dc)
+
+    def load_released(self, buffers: Mapping[str, torch.Tensor], changed: AbstractSet[str], index: int) -> None:
+        """A delta refit in flight: :meth:`LayerwiseUpdate.load_released` on each."""
+        if not self.started:
+            self.begin()
+        (tb, db), (tc, dc) = self._split(buffers), self._split(changed)
+        if self.target is not None:
+            self.target.load_released(tb, tc, index)
+        self.drafter.load_released(db, dc, index)
 
     def end(self) -> None:
         try:

@@ -32,10 +32,8 @@ from __future__ import annotations
 import concurrent.futures as cf
 import contextlib
 import dataclasses
-import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from reshard.adapters.core.recording import LearnedLayout
@@ -54,6 +52,7 @@ from reshard.adapters.vllm.lifecycle import (
     followers,
     released_kernels_adopted,
 )
+from reshard.adapters.vllm.staging import TwoPhaseStaging
 from reshard.adapters.vllm.update import LayerwiseUpdate, WorkerModel, keeps_backups
 from reshard.errors import MixedWeightsError, ReshardError
 from reshard.plan.layout import Layout, TensorMeta
@@ -132,35 +131,7 @@ def _compile_ignored() -> Iterator[None]:
             setattr(cls, IGNORE_COMPILE_KEY, value)
 
 
-@contextlib.contextmanager
-def _on_stream(stream: Any) -> Iterator[None]:
-    """``stream`` current for the block (nothing for ``None``)."""
-    if stream is None:
-        yield
-        return
-    import torch
-
-    with torch.cuda.stream(stream):
-        yield
-
-
-@dataclass(slots=True)
-class _Staging:
-    """Phase 1 of a two-phase refit, running in a thread of its own."""
-
-    refit: int
-    method: str
-    thread: threading.Thread | None = None
-    stats: Any = None
-    error: BaseException | None = None
-    seconds: float = 0.0
-
-    @property
-    def done(self) -> bool:
-        return self.thread is not None and not self.thread.is_alive()
-
-
-class VllmReceiver(EngineReceiver):
+class VllmReceiver(TwoPhaseStaging, EngineReceiver):
     """Learns this worker's layout once, then pulls refits into the live engine."""
 
     def __init__(
@@ -215,11 +186,7 @@ class VllmReceiver(EngineReceiver):
         self.rank = rank
         self.device = device
         self._cpu = str(device).split(":")[0] == "cpu"
-        if drafter is not None and draft != "frozen" and config.delta:
-            raise ReshardError(
-                f"engine rank {rank}: delta refits of an engine with a drafter are not supported; "
-                "refit without deltas, or say the drafter is frozen (draft='frozen')"
-            )
+        self._delta = config.delta
         if drafter is not None and draft == "refit":
             self._learn_drafter()
         self.layout = build_layout(
@@ -258,7 +225,7 @@ class VllmReceiver(EngineReceiver):
         # Layers are processed on this thread while later rounds arrive (see
         # Applier); on CPU it yields to the receive (see idle_priority).
         self._apply_pool = cf.ThreadPoolExecutor(1, thread_name_prefix="reshard-apply")
-        self._staging: _Staging | None = None
+        self._staging = None
 
     def _learn_drafter(self) -> LearnedDrafter:
         """Learn the drafter from its own loaders (once), and its layout alone
@@ -270,7 +237,7 @@ class VllmReceiver(EngineReceiver):
             raise ReshardError(f"engine rank {self.rank}: this engine has no drafter (no speculative decoding)")
         with vllm_context(self.vllm_config):
             learned = learn_drafter(drafter, self.model, self._draft_tensors, rank=self.rank)
-            self.draft_worker = drafter_worker(learned, rank=self.rank, device=self.device)
+            self.draft_worker = drafter_worker(learned, rank=self.rank, device=self.device, delta=self._delta)
         self.draft_layout = build_layout(self.rank, learned.pieces)
         self.drafter = learned
         return learned
@@ -335,7 +302,6 @@ class VllmReceiver(EngineReceiver):
                 stats = self.receiver.pull(refit, method=method, into=into)
                 received = time.perf_counter() - t0
                 if buffers is not None:
-                    assert isinstance(update, LayerwiseUpdate), "delta refits of a drafter are refused at start"
                     update.load_from(buffers, None if stats.touched is None else set(stats.touched))
                 # (The baseline has no rounds of ours: its first write starts the lifecycle.)
                 update.end()
@@ -418,13 +384,13 @@ class VllmReceiver(EngineReceiver):
         buffers changed only."""
         return self.receiver.config.delta
 
-    def _apply(self, refit: int, changed: frozenset[str] | None) -> LayerwiseUpdate:
+    def _apply(self, refit: int, changed: frozenset[str] | None) -> LayerwiseUpdate | WithDrafter:
         """vLLM's layerwise reload from the staging buffers: the layers whose
-        buffers changed (``changed``; ``None``: all). If it fails, the
-        engine's weights no longer follow the buffers, so the next delta
-        refit is dense and applies every layer."""
+        buffers changed (``changed``; ``None``: all), the drafter's beside
+        the target's. If it fails, the engine's weights no longer follow the
+        buffers, so the next delta refit is dense and applies every layer."""
         assert self._buffers is not None
-        update = LayerwiseUpdate(self.worker, refit)
+        update = self._update(refit, atomic=False)
         try:
             with self._applying(update):
                 update.load_from(self._buffers, None if changed is None else set(changed))
@@ -435,115 +401,6 @@ class VllmReceiver(EngineReceiver):
         return update
 
     # -- two-phase refits ------------------------------------------------------
-
-    @property
-    def staging_bytes(self) -> int:
-        """Bytes of staging buffers this worker holds (0 until its first :meth:`stage`)."""
-        return sum(t.nbytes for t in (self._buffers or {}).values())
-
-    def _staging_buffers(self) -> dict[str, torch.Tensor]:
-        """One zeroed buffer per parameter, of its checkpoint-loading shape and
-        dtype; kept for the next refit (regions no piece writes, such as
-        vocabulary padding, stay zero, as vLLM's loader leaves them).
-
-        On a GPU worker they are pinned host memory, on purpose: they hold a
-        copy of everything the worker keeps, and GPU memory has no room for
-        a second copy of the weights (the KV cache was sized to fill it). The
-        executor receives into its staging arena on the device and copies
-        each slice out (:func:`reshard.transport.posting.off_device_locals`);
-        a commit copies each layer back in (host-to-device, pinned)."""
-        import torch
-
-        if self._buffers is None:
-            dtypes: dict[str, str] = {}
-            for p in self.learned.pieces:
-                dtypes.setdefault(p.local, p.local_dtype or p.tensor.dtype)
-            pinned = not self._cpu and torch.cuda.is_available()
-            # Parameters only a loader tensor writes need no buffer: the
-            # loader runs on the staged loader tensor.
-            self._buffers = {
-                name: torch.zeros(shape, dtype=getattr(torch, dtypes[name]), device="cpu", pin_memory=pinned)
-                for name, shape in self.learned.local_shapes.items()
-                if name in dtypes
-            }
-        return self._buffers
-
-    def _base(self) -> Tensors:
-        """The staging buffers as the tensors a refit lands in: written by
-        reshard alone (a delta's base is digested after a refit, in a
-        thread); one object from one refit to the next."""
-        if self._base_tensors is None:
-            self._base_tensors = Tensors(self._staging_buffers(), private=True)
-        return self._base_tensors
-
-    def stage(self, refit: int, *, method: str = "reshard") -> None:
-        """Phase 1 of a two-phase refit: start receiving refit ``refit`` into
-        staging buffers, in a thread of its own, and return at once. The live
-        weights are untouched, so the engine keeps serving; if the transfer
-        fails, nothing changed. :meth:`staging_state` says when it is done,
-        :meth:`commit` applies it (with generation paused)."""
-        self._wait_staging()
-        if self.drafter is not None:
-            raise ReshardError(
-                f"engine rank {self.rank}: two-phase refits of an engine with a drafter are not supported; refit "
-                "in place, or say the drafter is frozen (draft='frozen')"
-            )
-        if self.receiver.layout is not self.layout:
-            self.receiver.set_layout(self.layout)
-        into = self._base()
-        job = _Staging(refit, method)
-
-        stream = self._side_stream()
-
-        def run() -> None:
-            t0 = time.perf_counter()
-            try:
-                # On a GPU, on a stream of its own: the engine keeps serving on
-                # its own streams meanwhile, and neither waits for the other.
-                with on_device(self.device), _on_stream(stream):
-                    job.stats = self.receiver.pull(refit, method=method, into=into)
-            except BaseException as e:  # reported by staging_state / commit
-                job.error = e
-            job.seconds = time.perf_counter() - t0
-
-        job.thread = threading.Thread(target=run, name=f"reshard-stage-{refit}", daemon=True)
-        self._staging = job
-        job.thread.start()
-
-    def _side_stream(self) -> Any:
-        """The CUDA stream two-phase stages receive on (``None`` on a CPU)."""
-        if self._cpu:
-            return None
-        import torch
-
-        if self._stage_stream is None:
-            self._stage_stream = torch.cuda.Stream(device=self.device)
-        return self._stage_stream
-
-    def _wait_staging(self) -> None:
-        """Let a staging thread still running (a failed refit winding down on
-        this rank) finish before the next refit starts."""
-        job = self._staging
-        if job is None or job.thread is None or job.done:
-            return
-        job.thread.join(timeout=self.receiver.config.timeout_s)
-        if not job.done:
-            raise ReshardError(f"engine rank {self.rank}: refit {job.refit} is still being staged")
-
-    def staging_state(self, refit: int) -> bool:
-        """Whether refit ``refit`` is fully staged (``False``: still receiving);
-        raises the staging error if it failed (the live weights are untouched)."""
-        job = self._staging
-        if job is None or job.refit != refit:
-            raise ReshardError(
-                f"engine rank {self.rank}: refit {refit} was never staged"
-                + (f" (refit {job.refit} was)" if job is not None else "")
-            )
-        if not job.done:
-            return False
-        if job.error is not None:
-            raise job.error
-        return True
 
     def commit(self, refit: int, *, wait_s: float = 0.0) -> EngineStats:
         """Phase 2 of a two-phase refit: apply staged refit ``refit`` to the
