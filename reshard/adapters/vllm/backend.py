@@ -329,13 +329,7 @@ class ReshardTrainerEngine(TrainerWeightTransferEngine[ReshardTrainerInitInfo]):
         return self
 
     def send_weights(self) -> None:
-        self.refits += 1
-        refit = self.refits
-        push = functools.partial(self.sender.push, refit)
-        if not self.is_sender:
-            push()
-            return
-        push_beside(push, functools.partial(self._drive, refit), cancel=self.sender.cancel)
+        self._send(draft=False)
 
     def send_draft_weights(self) -> None:
         """Refit the engine's drafter alone, in vLLM's draft session
@@ -343,13 +337,18 @@ class ReshardTrainerEngine(TrainerWeightTransferEngine[ReshardTrainerInitInfo]):
         collectively): each worker pulls the drafter's slices it keeps, the
         trainer ranks push what they publish (the policy's bytes do not
         move). Needs a ``draft`` at :meth:`trainer_init`."""
+        self._send(draft=True)
+
+    def _send(self, *, draft: bool) -> None:
+        """One refit: this rank pushes; the driving rank also drives the
+        engine's session beside the push (the target's, or the drafter's)."""
         self.refits += 1
         refit = self.refits
         push = functools.partial(self.sender.push, refit)
         if not self.is_sender:
             push()
             return
-        push_beside(push, functools.partial(self._drive, refit, draft=True), cancel=self.sender.cancel)
+        push_beside(push, functools.partial(self._drive, refit, draft=draft), cancel=self.sender.cancel)
 
     def _drive(self, refit: int, pushed: threading.Event, *, draft: bool = False) -> None:
         """The engine's side of refit ``refit``, through vLLM's weight-sync client."""
